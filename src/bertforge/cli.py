@@ -1,0 +1,149 @@
+"""The `bertforge` command: one subcommand per stage. It parses arguments and calls the stage; nothing more."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from bertforge.errors import UserError
+
+
+def _tokenizer_train(args: argparse.Namespace) -> int:
+    from bertforge import tokenizer
+
+    tok = tokenizer.train(
+        args.files,
+        args.type,
+        args.vocab_size,
+        args.out,
+        lowercase=args.lowercase,
+        style=args.style,
+        min_frequency=args.min_frequency,
+        model_max_length=args.max_length,
+        show_progress=sys.stderr.isatty(),
+    )
+    print(f"trained a {args.type} tokenizer with {tok.vocab_size} tokens -> {args.out}")
+    return 0
+
+
+def _init(args: argparse.Namespace, extra: Sequence[str]) -> int:
+    from bertforge.config import deep_merge, from_dict, parse_overrides, read_yaml
+    from bertforge.tasks import init
+
+    data = deep_merge(read_yaml(args.config) if args.config else {}, parse_overrides(extra))
+    cfg = from_dict(init.InitConfig, data)
+    vocab_given = "vocab_size" in (data.get("model") or {})
+    out = init.main(cfg, args.tokenizer, args.out, vocab_given=vocab_given)
+    print(f"initialised a {cfg.head} model -> {out}")
+    return 0
+
+
+def _fill_mask(args: argparse.Namespace) -> int:
+    from bertforge.tasks.infer import FillMaskConfig, fill_mask_main
+
+    results = fill_mask_main(FillMaskConfig(model=args.model, texts=tuple(args.texts), top_k=args.top_k))
+    if args.json:
+        print(json.dumps([{"text": t, "masks": r} for t, r in zip(args.texts, results, strict=True)], indent=2))
+        return 0
+    for text, masks in zip(args.texts, results, strict=True):
+        print(text)
+        for m, options in enumerate(masks):
+            if len(masks) > 1:
+                print(f"  mask {m + 1}:")
+            for option in options:
+                print(f"  {option['score']:8.4f}  {option['token_str']:<16} {option['sequence']}")
+    return 0
+
+
+def _predict(args: argparse.Namespace) -> int:
+    from bertforge.tasks.infer import PredictConfig, predict_main
+
+    try:
+        cfg = PredictConfig(
+            model=args.model,
+            data=args.data,
+            out=args.out,
+            text_column=args.text_column,
+            text_pair_column=args.text_pair_column,
+            id_column=args.id_column,
+            batch_size=args.batch_size,
+            max_length=args.max_length,
+            truncation=args.truncation,
+        )
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    outputs = predict_main(cfg)
+    print(f"wrote {len(outputs)} predictions -> {args.out}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="bertforge", description="Pretrain and fine-tune BERT-family models with JAX on TPU, GPU or CPU."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    tok = sub.add_parser("tokenizer", help="train a tokenizer").add_subparsers(dest="action", required=True)
+    train = tok.add_parser("train", help="train a WordPiece, Unigram or BPE tokenizer from text files")
+    train.add_argument("--files", nargs="+", required=True, help="text files: paths, globs or fsspec URLs")
+    train.add_argument("--type", choices=["wordpiece", "unigram", "bpe"], default="wordpiece")
+    train.add_argument("--vocab-size", type=int, default=30522)
+    train.add_argument("--out", required=True, help="folder to write tokenizer.json and tokenizer_config.json")
+    train.add_argument("--lowercase", action="store_true")
+    train.add_argument(
+        "--style", choices=["bert", "roberta"], default=None, help="special tokens (default: roberta for bpe)"
+    )
+    train.add_argument("--min-frequency", type=int, default=2)
+    train.add_argument("--max-length", type=int, default=512, help="model_max_length written for transformers")
+    train.set_defaults(run=_tokenizer_train)
+
+    init = sub.add_parser(
+        "init",
+        help="a freshly initialised model as a Hugging Face folder",
+        description="Overrides such as --model.preset=mini --model.num_layers=2 follow the flags.",
+    )
+    init.add_argument("--tokenizer", required=True, help="tokenizer folder (its vocabulary sizes the model)")
+    init.add_argument("--out", required=True)
+    init.add_argument("--config", help="YAML with a 'model:' section (preset and fields), 'head', 'num_labels'")
+    init.set_defaults(run=_init, takes_overrides=True)
+
+    fm = sub.add_parser("fill-mask", help="top tokens for each [MASK] in a text")
+    fm.add_argument("--model", required=True, help="Hugging Face folder or hub id of a masked-LM model")
+    fm.add_argument("--top-k", type=int, default=5)
+    fm.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    fm.add_argument("texts", nargs="+", metavar="TEXT")
+    fm.set_defaults(run=_fill_mask)
+
+    pr = sub.add_parser("predict", help="predictions of a sequence-classification model for a table of texts")
+    pr.add_argument("--model", required=True)
+    pr.add_argument("--data", required=True, help="CSV, TSV or JSONL")
+    pr.add_argument("--out", required=True, help="CSV to write")
+    pr.add_argument("--text-column", default="text")
+    pr.add_argument("--text-pair-column", default=None)
+    pr.add_argument("--id-column", default=None, help="column copied to the output (default: 'id' if present)")
+    pr.add_argument("--batch-size", type=int, default=32)
+    pr.add_argument("--max-length", type=int, default=None)
+    pr.add_argument("--truncation", choices=["head", "tail", "head+tail"], default="head")
+    pr.set_defaults(run=_predict)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    try:
+        if extra and not getattr(args, "takes_overrides", False):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        return args.run(args, extra) if getattr(args, "takes_overrides", False) else args.run(args)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,195 @@
+"""YAML + dotted overrides -> frozen dataclasses, validated at load.
+
+Every stage owns a frozen dataclass; this module turns a YAML file and `--a.b=value` overrides into one, naming
+the exact key when something is unknown or of the wrong type.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+from bertforge.errors import UserError
+
+T = TypeVar("T")
+
+
+def _join(where: str, key: str) -> str:
+    return f"{where}.{key}" if where else key
+
+
+def _type_name(tp: Any) -> str:
+    if isinstance(tp, type):
+        return tp.__name__
+    return str(tp).replace("typing.", "")
+
+
+def _coerce(tp: Any, value: Any, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(arg, value, key)
+            except UserError as e:
+                errors.append(e)
+        raise UserError(f"config key '{key}': expected {_type_name(tp)}, got {value!r}")
+    if origin is typing.Literal:
+        if value not in args:
+            choices = ", ".join(repr(a) for a in args)
+            raise UserError(f"config key '{key}': {value!r} is not one of {choices}")
+        return value
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, key)
+    if origin in (tuple, list) or tp in (tuple, list):
+        if not isinstance(value, Sequence) or isinstance(value, str):
+            raise UserError(f"config key '{key}': expected a list, got {value!r}")
+        item_tp = args[0] if args else Any
+        items = [_coerce(item_tp, v, f"{key}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if (origin or tp) is tuple else items
+    if origin is dict or tp is dict:
+        if not isinstance(value, Mapping):
+            raise UserError(f"config key '{key}': expected a mapping, got {value!r}")
+        return dict(value)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise UserError(f"config key '{key}': expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise UserError(f"config key '{key}': expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise UserError(f"config key '{key}': expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise UserError(f"config key '{key}': expected a string, got {value!r}")
+        return value
+    raise TypeError(f"config type {tp!r} of '{key}' is not supported")  # a programming error, not a user's
+
+
+def from_dict(cls: type[T], data: Any, where: str = "") -> T:
+    """Build dataclass `cls` from a mapping; unknown keys and wrong types are UserErrors naming the key."""
+    if not isinstance(data, Mapping):
+        raise UserError(f"config key '{where or '<root>'}': expected a mapping, got {data!r}")
+    resolve = getattr(cls, "resolve_config_dict", None)
+    if resolve is not None:
+        data = resolve(dict(data), where)
+    hints = typing.get_type_hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls) if f.init}
+    for key in data:
+        if key not in fields:
+            hint = difflib.get_close_matches(str(key), sorted(fields), n=1)
+            suggestion = f" (did you mean '{_join(where, hint[0])}'?)" if hint else ""
+            raise UserError(f"unknown config key '{_join(where, str(key))}'{suggestion}")
+    kwargs = {k: _coerce(hints[k], v, _join(where, k)) for k, v in data.items()}
+    try:
+        return cls(**kwargs)
+    except TypeError as e:  # a required field left out
+        raise UserError(f"config '{where or '<root>'}': {e}") from None
+    except ValueError as e:  # __post_init__ validation
+        raise UserError(f"config '{where or '<root>'}': {e}") from None
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """The plain-data form of a config, as it would be written to YAML or JSON."""
+
+    def plain(v: Any) -> Any:
+        if isinstance(v, tuple):
+            return [plain(x) for x in v]
+        if isinstance(v, dict):
+            return {k: plain(x) for k, x in v.items()}
+        return v
+
+    return plain(dataclasses.asdict(cfg))
+
+
+def parse_overrides(args: Sequence[str]) -> dict[str, Any]:
+    """`--a.b=1 --c x` -> {'a': {'b': 1}, 'c': 'x'}; values are parsed as YAML scalars."""
+    out: dict[str, Any] = {}
+    i = 0
+    args = list(args)
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or len(arg) == 2:
+            raise UserError(f"unexpected argument '{arg}' (overrides look like --section.key=value)")
+        body = arg[2:]
+        if "=" in body:
+            key, raw = body.split("=", 1)
+        elif i + 1 < len(args) and not args[i + 1].startswith("--"):
+            key, raw = body, args[i + 1]
+            i += 1
+        else:
+            raise UserError(f"override '{arg}' has no value (write --{body}=VALUE)")
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            value = raw
+        node = out
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise UserError(f"override '--{key}' conflicts with an earlier one")
+        node[parts[-1]] = value
+        i += 1
+    return out
+
+
+def deep_merge(base: Mapping[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in extra.items():
+        if isinstance(v, Mapping) and isinstance(out.get(k), Mapping):
+            out[k] = deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UserError(f"{p}: no such config file") from None
+    except UnicodeDecodeError:
+        raise UserError(f"{p}: not UTF-8 text") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        raise UserError(f"{p}:{where} is not valid YAML") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise UserError(f"{p}: the top level must be a mapping of sections")
+    return data
+
+
+def load_config(cls: type[T], path: str | Path | None = None, overrides: Sequence[str] = ()) -> T:
+    """YAML file (optional) + dotted overrides -> validated frozen `cls`."""
+    data = read_yaml(path) if path else {}
+    data = deep_merge(data, parse_overrides(overrides))
+    try:
+        return from_dict(cls, data)
+    except UserError as e:
+        if path:
+            raise UserError(f"{path}: {e}") from None
+        raise

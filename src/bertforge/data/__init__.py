@@ -1,0 +1,1 @@
+"""Data: tables of texts, corpora, shards."""

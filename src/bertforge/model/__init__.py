@@ -1,0 +1,1 @@
+"""bertforge models."""

@@ -1,0 +1,334 @@
+"""The BERT-family encoder in Flax NNX. BERT and RoBERTa are two configurations of this one model.
+
+Post-LayerNorm transformer with learned absolute positions and token types (Devlin et al. 2019); RoBERTa differs
+only in its position ids, which start after the padding index and skip padding (Liu et al. 2019). Parameters
+carry logical axis names ('vocab', 'embed', 'mlp', 'heads', ...); parallel.py maps them onto the device mesh.
+Shapes: B batch, T tokens, D hidden, N heads, H head dim, F feed-forward, V vocabulary, L labels, M masked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+ACTIVATIONS = {
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "relu": jax.nn.relu,
+    "silu": jax.nn.silu,
+    "swish": jax.nn.silu,
+}
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+FLAVORS = ("bert", "roberta")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    flavor: str = "bert"  # "bert" or "roberta"
+    vocab_size: int = 30522
+    hidden_size: int = 768
+    num_layers: int = 12
+    num_heads: int = 12
+    intermediate_size: int = 3072
+    max_position_embeddings: int = 512
+    type_vocab_size: int = 2
+    hidden_act: str = "gelu"
+    layer_norm_eps: float = 1e-12
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    classifier_dropout: float | None = None
+    initializer_range: float = 0.02
+    pad_token_id: int = 0
+    dtype: str = "float32"  # compute dtype; parameters are always float32
+
+    def __post_init__(self) -> None:
+        if self.flavor not in FLAVORS:
+            raise ValueError(f"flavor {self.flavor!r} is not one of {', '.join(FLAVORS)}")
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.type_vocab_size < 1:
+            raise ValueError(f"type_vocab_size must be positive, got {self.type_vocab_size}")
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"hidden_act {self.hidden_act!r} is not one of {', '.join(ACTIVATIONS)}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        for name in ("hidden_dropout", "attention_dropout", "classifier_dropout"):
+            rate = getattr(self, name)
+            if rate is not None and not 0.0 <= rate < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {rate}")
+        if not 0 <= self.pad_token_id < self.vocab_size:
+            raise ValueError(f"pad_token_id {self.pad_token_id} is outside the vocabulary of {self.vocab_size}")
+        if self.max_seq_len < 1:
+            raise ValueError(f"max_position_embeddings {self.max_position_embeddings} leaves no room for tokens")
+
+    @property
+    def max_seq_len(self) -> int:
+        """The longest input the position table holds (RoBERTa spends pad_token_id + 1 rows on its offset)."""
+        if self.flavor == "roberta":
+            return self.max_position_embeddings - self.pad_token_id - 1
+        return self.max_position_embeddings
+
+    @property
+    def compute_dtype(self) -> Any:
+        return DTYPES[self.dtype]
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    def num_params(self) -> int:
+        """Parameter count of the encoder and MLM head (tied decoder counted once)."""
+        d, f, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        embed = (v + self.max_position_embeddings + self.type_vocab_size) * d + 2 * d
+        layer = 4 * (d * d + d) + 2 * d * f + f + d + 4 * d
+        mlm = d * d + d + 2 * d + v
+        return embed + self.num_layers * layer + mlm
+
+    @classmethod
+    def resolve_config_dict(cls, data: dict[str, Any], where: str) -> dict[str, Any]:
+        """A `preset: NAME` key in YAML starts from that preset; the other keys override it."""
+        from bertforge.model.presets import preset
+
+        if "preset" not in data:
+            return data
+        name = data.pop("preset")
+        key = f"{where}.preset" if where else "preset"
+        base = dataclasses.asdict(preset(name, key=key))
+        if data.get("flavor") == "roberta":
+            # RoBERTa's conventions: pad id 1, positions offset by pad + 1, one token type, eps 1e-5.
+            base.update(
+                pad_token_id=1,
+                max_position_embeddings=base["max_position_embeddings"] + 2,
+                type_vocab_size=1,
+                layer_norm_eps=1e-5,
+            )
+        return {**base, **data}
+
+
+def _axes(*names: str | None) -> dict[str, Any]:
+    # Logical names only; eager sharding off so that a model builds without a mesh (parallel.py shards it).
+    return {"out_sharding": names, "eager_sharding": False}
+
+
+def _dense(cfg: ModelConfig, din: int, dout: int, axes: tuple[str | None, str | None], rngs: nnx.Rngs):
+    return nnx.Linear(
+        din,
+        dout,
+        dtype=cfg.compute_dtype,
+        param_dtype=jnp.float32,
+        kernel_init=nnx.initializers.normal(cfg.initializer_range),
+        kernel_metadata=_axes(*axes),
+        bias_metadata=_axes(axes[1]),
+        rngs=rngs,
+    )
+
+
+def _norm(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.LayerNorm:
+    # LayerNorm statistics in float32 whatever the compute dtype.
+    return nnx.LayerNorm(
+        cfg.hidden_size,
+        epsilon=cfg.layer_norm_eps,
+        dtype=jnp.float32,
+        param_dtype=jnp.float32,
+        use_fast_variance=False,
+        scale_metadata=_axes("embed"),
+        bias_metadata=_axes("embed"),
+        rngs=rngs,
+    )
+
+
+def _embed(cfg: ModelConfig, rows: int, axis: str, rngs: nnx.Rngs) -> nnx.Embed:
+    return nnx.Embed(
+        rows,
+        cfg.hidden_size,
+        param_dtype=jnp.float32,
+        embedding_init=nnx.initializers.normal(cfg.initializer_range),
+        embedding_metadata=_axes(axis, "embed"),
+        rngs=rngs,
+    )
+
+
+def position_ids(cfg: ModelConfig, input_ids: jax.Array) -> jax.Array:
+    """(B, T) ids -> (B, T) positions: 0..T-1 for BERT; for RoBERTa pad+1.. on tokens and pad on padding."""
+    if cfg.flavor == "roberta":
+        not_pad = (input_ids != cfg.pad_token_id).astype(jnp.int32)
+        return jnp.cumsum(not_pad, axis=1) * not_pad + cfg.pad_token_id
+    return jnp.broadcast_to(jnp.arange(input_ids.shape[1], dtype=jnp.int32), input_ids.shape)
+
+
+class Embeddings(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.word = _embed(cfg, cfg.vocab_size, "vocab", rngs)
+        self.position = _embed(cfg, cfg.max_position_embeddings, "position", rngs)
+        self.token_type = _embed(cfg, cfg.type_vocab_size, "token_type", rngs)
+        self.norm = _norm(cfg, rngs)
+        self.dropout = nnx.Dropout(cfg.hidden_dropout, rngs=rngs)
+
+    def __call__(self, input_ids: jax.Array, token_type_ids: jax.Array) -> jax.Array:
+        x = self.word(input_ids) + self.position(position_ids(self.cfg, input_ids))  # (B, T, D)
+        x = x + self.token_type(token_type_ids)
+        return self.dropout(self.norm(x).astype(self.cfg.compute_dtype))
+
+
+def _attention_with_dropout(q, k, v, mask, dropout: nnx.Dropout) -> jax.Array:
+    # jax.nn.dot_product_attention has no dropout on the probabilities; this path runs only in training with
+    # attention_dropout > 0, and equals the fused one when dropout is off (tested).
+    scale = q.shape[-1] ** -0.5
+    logits = jnp.einsum("btnh,bsnh->bnts", q, k, preferred_element_type=jnp.float32) * scale  # (B, N, T, T)
+    logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
+    probs = dropout(jax.nn.softmax(logits, axis=-1)).astype(v.dtype)
+    return jnp.einsum("bnts,bsnh->btnh", probs, v)  # (B, T, N, H)
+
+
+class Layer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        d, f = cfg.hidden_size, cfg.intermediate_size
+        self.query = _dense(cfg, d, d, ("embed", "heads"), rngs)
+        self.key = _dense(cfg, d, d, ("embed", "heads"), rngs)
+        self.value = _dense(cfg, d, d, ("embed", "heads"), rngs)
+        self.attn_out = _dense(cfg, d, d, ("heads", "embed"), rngs)
+        self.attn_norm = _norm(cfg, rngs)
+        self.mlp_in = _dense(cfg, d, f, ("embed", "mlp"), rngs)
+        self.mlp_out = _dense(cfg, f, d, ("mlp", "embed"), rngs)
+        self.mlp_norm = _norm(cfg, rngs)
+        self.dropout = nnx.Dropout(cfg.hidden_dropout, rngs=rngs)
+        self.attn_dropout = nnx.Dropout(cfg.attention_dropout, rngs=rngs)
+
+    def __call__(self, x: jax.Array, mask: jax.Array) -> jax.Array:
+        """x (B, T, D), mask (B, 1, 1, T) True where a key may be attended -> (B, T, D)."""
+        b, t, d = x.shape
+        n, h = self.cfg.num_heads, self.cfg.head_dim
+        q = self.query(x).reshape(b, t, n, h)
+        k = self.key(x).reshape(b, t, n, h)
+        v = self.value(x).reshape(b, t, n, h)
+        if self.attn_dropout.rate > 0 and not self.attn_dropout.deterministic:
+            ctx = _attention_with_dropout(q, k, v, mask, self.attn_dropout)
+        else:
+            ctx = jax.nn.dot_product_attention(q, k, v, mask=mask)  # (B, T, N, H)
+        attn = self.dropout(self.attn_out(ctx.reshape(b, t, d)))
+        x = self.attn_norm(x + attn).astype(x.dtype)
+        hidden = ACTIVATIONS[self.cfg.hidden_act](self.mlp_in(x))  # (B, T, F)
+        x = self.mlp_norm(x + self.dropout(self.mlp_out(hidden))).astype(x.dtype)
+        return x
+
+
+class Encoder(nnx.Module):
+    """Embeddings and the transformer stack: (B, T) ids -> (B, T, D) hidden states."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embeddings = Embeddings(cfg, rngs=rngs)
+        self.layers = nnx.List([Layer(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+
+    def __call__(
+        self,
+        input_ids: jax.Array,
+        attention_mask: jax.Array | None = None,
+        token_type_ids: jax.Array | None = None,
+    ) -> jax.Array:
+        if attention_mask is None:
+            attention_mask = jnp.ones_like(input_ids)
+        if token_type_ids is None:
+            token_type_ids = jnp.zeros_like(input_ids)
+        mask = attention_mask.astype(bool)[:, None, None, :]  # (B, 1, 1, T)
+        x = self.embeddings(input_ids, token_type_ids)
+        for layer in self.layers:
+            x = layer(x, mask)
+        return x
+
+
+class MlmHead(nnx.Module):
+    """Transform + vocabulary projection tied to the word embeddings, with its own bias."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.dense = _dense(cfg, cfg.hidden_size, cfg.hidden_size, ("embed", None), rngs)
+        self.norm = _norm(cfg, rngs)
+        self.bias = nnx.Param(jnp.zeros((cfg.vocab_size,), jnp.float32), **_axes("vocab"))
+
+    def __call__(self, hidden: jax.Array, word_embedding: jax.Array) -> jax.Array:
+        """hidden (..., D), word_embedding (V, D) -> float32 logits (..., V)."""
+        # RoBERTa's head always uses exact GELU; BERT's follows hidden_act.
+        act = ACTIVATIONS["gelu" if self.cfg.flavor == "roberta" else self.cfg.hidden_act]
+        h = self.norm(act(self.dense(hidden))).astype(self.cfg.compute_dtype)
+        emb = word_embedding.astype(self.cfg.compute_dtype)
+        logits = jnp.einsum("...d,vd->...v", h, emb, preferred_element_type=jnp.float32)
+        return logits + self.bias[...]
+
+
+class SequenceHead(nnx.Module):
+    """The [CLS] vector through dense + tanh to num_labels outputs (BERT's pooler + classifier, RoBERTa's head)."""
+
+    def __init__(self, cfg: ModelConfig, num_labels: int, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        rate = cfg.hidden_dropout if cfg.classifier_dropout is None else cfg.classifier_dropout
+        self.dense = _dense(cfg, cfg.hidden_size, cfg.hidden_size, ("embed", None), rngs)
+        self.out = _dense(cfg, cfg.hidden_size, num_labels, (None, None), rngs)
+        self.dropout = nnx.Dropout(rate, rngs=rngs)
+
+    def __call__(self, hidden: jax.Array) -> jax.Array:
+        """hidden (B, T, D) -> float32 (B, L)."""
+        x = hidden[:, 0]  # (B, D)
+        if self.cfg.flavor == "roberta":
+            x = self.dropout(x)
+        x = self.dropout(jnp.tanh(self.dense(x)))
+        return self.out(x).astype(jnp.float32)
+
+
+class MaskedLM(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = cfg
+        self.encoder = Encoder(cfg, rngs=rngs)
+        self.mlm = MlmHead(cfg, rngs=rngs)
+
+    def logits_at(self, hidden: jax.Array) -> jax.Array:
+        """MLM logits for any selection of hidden states (..., D) -> (..., V), e.g. only the masked positions."""
+        return self.mlm(hidden, self.encoder.embeddings.word.embedding[...])
+
+    def __call__(
+        self,
+        input_ids: jax.Array,
+        attention_mask: jax.Array | None = None,
+        token_type_ids: jax.Array | None = None,
+    ) -> jax.Array:
+        """(B, T) -> (B, T, V) float32 logits."""
+        return self.logits_at(self.encoder(input_ids, attention_mask, token_type_ids))
+
+
+class SequenceClassifier(nnx.Module):
+    def __init__(self, cfg: ModelConfig, num_labels: int, *, rngs: nnx.Rngs):
+        if num_labels < 1:
+            raise ValueError(f"num_labels must be positive, got {num_labels}")
+        self.config = cfg
+        self.num_labels = num_labels
+        self.encoder = Encoder(cfg, rngs=rngs)
+        self.head = SequenceHead(cfg, num_labels, rngs=rngs)
+
+    def __call__(
+        self,
+        input_ids: jax.Array,
+        attention_mask: jax.Array | None = None,
+        token_type_ids: jax.Array | None = None,
+    ) -> jax.Array:
+        """(B, T) -> (B, L) float32: regression values when L == 1, else class logits."""
+        return self.head(self.encoder(input_ids, attention_mask, token_type_ids))
+
+
+def build(cfg: ModelConfig, head: str = "mlm", num_labels: int = 1, seed: int = 0) -> MaskedLM | SequenceClassifier:
+    """A freshly initialised model: head 'mlm' or 'sequence'."""
+    rngs = nnx.Rngs(params=seed, dropout=seed + 1)
+    if head == "mlm":
+        return MaskedLM(cfg, rngs=rngs)
+    if head == "sequence":
+        return SequenceClassifier(cfg, num_labels, rngs=rngs)
+    raise ValueError(f"unknown head {head!r} (mlm or sequence)")

@@ -1,0 +1,447 @@
+"""Hugging Face folders in and out: config.json, safetensors weights, tokenizer files.
+
+One explicit table maps each Hugging Face parameter name to a path in the NNX parameter tree, with a shape
+check on every tensor. Weights are read from safetensors only: pickled PyTorch files are refused, never opened.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+from safetensors.numpy import save as safetensors_bytes
+
+from bertforge.errors import UserError
+from bertforge.fileio import write_atomic
+from bertforge.model.bert import ACTIVATIONS, MaskedLM, ModelConfig, SequenceClassifier, build
+from bertforge.tokenizer import BertTokenizer
+
+# model_type -> flavor; XLM-R and CamemBERT are RoBERTa's architecture with other vocabularies.
+MODEL_TYPES = {"bert": "bert", "roberta": "roberta", "xlm-roberta": "roberta", "camembert": "roberta"}
+PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
+HEADS = ("mlm", "sequence")
+
+Path_ = tuple[Any, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    hf: str  # Hugging Face parameter name
+    path: Path_  # path in nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    transpose: bool  # torch Linear stores (out, in); Flax kernels are (in, out)
+    head: bool  # part of a task head, may be absent from an encoder-only checkpoint
+
+
+def _linear(hf: str, path: Path_, head: bool = False) -> list[Row]:
+    return [
+        Row(f"{hf}.weight", (*path, "kernel"), True, head),
+        Row(f"{hf}.bias", (*path, "bias"), False, head),
+    ]
+
+
+def _layernorm(hf: str, path: Path_, head: bool = False) -> list[Row]:
+    return [
+        Row(f"{hf}.weight", (*path, "scale"), False, head),
+        Row(f"{hf}.bias", (*path, "bias"), False, head),
+    ]
+
+
+def key_table(cfg: ModelConfig, head: str) -> list[Row]:
+    """Every parameter of a bertforge model of `head` ('mlm' or 'sequence') with its Hugging Face name."""
+    p = cfg.flavor  # "bert." or "roberta." prefix of the encoder in *For* models
+    enc = ("encoder",)
+    rows = [
+        Row(f"{p}.embeddings.word_embeddings.weight", (*enc, "embeddings", "word", "embedding"), False, False),
+        Row(
+            f"{p}.embeddings.position_embeddings.weight",
+            (*enc, "embeddings", "position", "embedding"),
+            False,
+            False,
+        ),
+        Row(
+            f"{p}.embeddings.token_type_embeddings.weight",
+            (*enc, "embeddings", "token_type", "embedding"),
+            False,
+            False,
+        ),
+        *_layernorm(f"{p}.embeddings.LayerNorm", (*enc, "embeddings", "norm")),
+    ]
+    for i in range(cfg.num_layers):
+        hf, ours = f"{p}.encoder.layer.{i}", (*enc, "layers", i)
+        rows += _linear(f"{hf}.attention.self.query", (*ours, "query"))
+        rows += _linear(f"{hf}.attention.self.key", (*ours, "key"))
+        rows += _linear(f"{hf}.attention.self.value", (*ours, "value"))
+        rows += _linear(f"{hf}.attention.output.dense", (*ours, "attn_out"))
+        rows += _layernorm(f"{hf}.attention.output.LayerNorm", (*ours, "attn_norm"))
+        rows += _linear(f"{hf}.intermediate.dense", (*ours, "mlp_in"))
+        rows += _linear(f"{hf}.output.dense", (*ours, "mlp_out"))
+        rows += _layernorm(f"{hf}.output.LayerNorm", (*ours, "mlp_norm"))
+    if head == "mlm" and cfg.flavor == "bert":
+        rows += _linear("cls.predictions.transform.dense", ("mlm", "dense"), True)
+        rows += _layernorm("cls.predictions.transform.LayerNorm", ("mlm", "norm"), True)
+        rows += [Row("cls.predictions.bias", ("mlm", "bias"), False, True)]
+    elif head == "mlm":
+        rows += _linear("lm_head.dense", ("mlm", "dense"), True)
+        rows += _layernorm("lm_head.layer_norm", ("mlm", "norm"), True)
+        rows += [Row("lm_head.bias", ("mlm", "bias"), False, True)]
+    elif head == "sequence" and cfg.flavor == "bert":
+        rows += _linear("bert.pooler.dense", ("head", "dense"), True)
+        rows += _linear("classifier", ("head", "out"), True)
+    elif head == "sequence":
+        rows += _linear("classifier.dense", ("head", "dense"), True)
+        rows += _linear("classifier.out_proj", ("head", "out"), True)
+    else:
+        raise ValueError(f"unknown head {head!r}")
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------------ config.json
+@dataclasses.dataclass(frozen=True)
+class HeadInfo:
+    head: str | None  # 'mlm', 'sequence' or None (a bare encoder such as BertModel)
+    num_labels: int
+    id2label: dict[int, str]
+    problem_type: str | None
+
+
+def config_from_hf(data: dict[str, Any], source: str) -> tuple[ModelConfig, HeadInfo]:
+    """A Hugging Face config.json (as a dict) -> ModelConfig and what it says of the head."""
+    model_type = data.get("model_type")
+    if model_type not in MODEL_TYPES:
+        arch = ", ".join(data.get("architectures") or []) or "none given"
+        raise UserError(
+            f"{source}: unsupported architecture model_type={model_type!r} (architectures: {arch}); "
+            f"bertforge loads {', '.join(MODEL_TYPES)}"
+        )
+    pos = data.get("position_embedding_type", "absolute")
+    if pos != "absolute":
+        raise UserError(f"{source}: position_embedding_type={pos!r} is not supported (only 'absolute')")
+    act = data.get("hidden_act", "gelu")
+    if act not in ACTIVATIONS:
+        raise UserError(f"{source}: hidden_act={act!r} is not supported ({', '.join(ACTIVATIONS)})")
+    flavor = MODEL_TYPES[model_type]
+    fields = {
+        "vocab_size": "vocab_size",
+        "hidden_size": "hidden_size",
+        "num_layers": "num_hidden_layers",
+        "num_heads": "num_attention_heads",
+        "intermediate_size": "intermediate_size",
+        "max_position_embeddings": "max_position_embeddings",
+        "type_vocab_size": "type_vocab_size",
+        "layer_norm_eps": "layer_norm_eps",
+        "hidden_dropout": "hidden_dropout_prob",
+        "attention_dropout": "attention_probs_dropout_prob",
+        "classifier_dropout": "classifier_dropout",
+        "initializer_range": "initializer_range",
+        "pad_token_id": "pad_token_id",
+    }
+    kwargs: dict[str, Any] = {"flavor": flavor, "hidden_act": act}
+    for ours, theirs in fields.items():
+        if theirs in data and (data[theirs] is not None or ours == "classifier_dropout"):
+            kwargs[ours] = data[theirs]
+    if flavor == "roberta" and "pad_token_id" not in data:
+        kwargs["pad_token_id"] = 1
+    try:
+        cfg = ModelConfig(**kwargs)
+    except (TypeError, ValueError) as e:
+        raise UserError(f"{source}: {e}") from None
+    archs = data.get("architectures") or []
+    head = None
+    if any(a.endswith("ForMaskedLM") or a.endswith("ForPreTraining") for a in archs):
+        head = "mlm"
+    elif any(a.endswith("ForSequenceClassification") for a in archs):
+        head = "sequence"
+    id2label = {int(k): str(v) for k, v in (data.get("id2label") or {}).items()}
+    num_labels = int(data.get("num_labels") or len(id2label) or 2)
+    if not id2label:
+        id2label = {i: f"LABEL_{i}" for i in range(num_labels)}
+    return cfg, HeadInfo(head, len(id2label), id2label, data.get("problem_type"))
+
+
+def config_to_hf(cfg: ModelConfig, head: str, id2label: dict[int, str] | None = None) -> dict[str, Any]:
+    prefix = "Roberta" if cfg.flavor == "roberta" else "Bert"
+    arch = f"{prefix}ForMaskedLM" if head == "mlm" else f"{prefix}ForSequenceClassification"
+    out: dict[str, Any] = {
+        "architectures": [arch],
+        "model_type": cfg.flavor,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "intermediate_size": cfg.intermediate_size,
+        "hidden_act": cfg.hidden_act,
+        "hidden_dropout_prob": cfg.hidden_dropout,
+        "attention_probs_dropout_prob": cfg.attention_dropout,
+        "classifier_dropout": cfg.classifier_dropout,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "type_vocab_size": cfg.type_vocab_size,
+        "initializer_range": cfg.initializer_range,
+        "layer_norm_eps": cfg.layer_norm_eps,
+        "pad_token_id": cfg.pad_token_id,
+        "position_embedding_type": "absolute",
+        "tie_word_embeddings": True,
+        "dtype": "float32",
+    }
+    if cfg.flavor == "roberta":
+        out.update(bos_token_id=0, eos_token_id=2)
+    if head == "sequence":
+        labels = id2label or {0: "LABEL_0"}
+        out["id2label"] = {str(k): v for k, v in sorted(labels.items())}
+        out["label2id"] = {v: k for k, v in sorted(labels.items())}
+        if len(labels) == 1:
+            out["problem_type"] = "regression"
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------ weights
+def _flatten(tree: dict, prefix: Path_ = ()) -> dict[Path_, Any]:
+    out: dict[Path_, Any] = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, (*prefix, k)))
+        else:
+            out[(*prefix, k)] = v
+    return out
+
+
+def _unflatten(flat: dict[Path_, Any]) -> dict:
+    out: dict = {}
+    for path, v in flat.items():
+        node = out
+        for k in path[:-1]:
+            node = node.setdefault(k, {})
+        node[path[-1]] = v
+    return out
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """The safetensors files of a folder; a folder with only pickled weights is refused with the fix."""
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise UserError(f"{index}: not a valid safetensors index (no weight_map)") from None
+        return [folder / name for name in sorted(set(weight_map.values()))]
+    if (folder / "model.safetensors").exists():
+        return [folder / "model.safetensors"]
+    pickles = sorted(p.name for pattern in PICKLE_PATTERNS for p in folder.glob(pattern))
+    if pickles:
+        raise UserError(
+            f"{folder}: holds only pickled weights ({', '.join(pickles)}), which bertforge never loads because "
+            'unpickling can run arbitrary code; convert them once with: python -c "from transformers import '
+            f"AutoModel; m = AutoModel.from_pretrained('{folder}'); m.save_pretrained('{folder}')\""
+        )
+    raise UserError(f"{folder}: no model.safetensors here")
+
+
+def read_weights(folder: Path) -> dict[str, np.ndarray]:
+    """All tensors of a folder's safetensors file(s) as float32 numpy arrays, keyed by normalised HF name."""
+    tensors: dict[str, np.ndarray] = {}
+    for path in weight_files(folder):
+        try:
+            with safe_open(str(path), framework="flax") as f:
+                for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    tensors[key] = np.asarray(f.get_tensor(key), dtype=np.float32)
+        except FileNotFoundError:
+            raise UserError(f"{path}: listed in the index but missing") from None
+        except Exception as e:  # safetensors raises its own error type for a corrupt header
+            raise UserError(f"{path}: not a readable safetensors file ({e})") from None
+    return tensors
+
+
+def _normalise_keys(tensors: dict[str, np.ndarray], flavor: str) -> dict[str, np.ndarray]:
+    # Old TF-converted checkpoints name LayerNorm weights gamma/beta; bare encoders (BertModel) have no prefix.
+    out = {}
+    for key, value in tensors.items():
+        key = re.sub(r"\.gamma$", ".weight", key)
+        key = re.sub(r"\.beta$", ".bias", key)
+        if key.startswith(("embeddings.", "encoder.", "pooler.")):
+            key = f"{flavor}.{key}"
+        out[key] = value
+    return out
+
+
+def load_weights(
+    model: MaskedLM | SequenceClassifier, tensors: dict[str, np.ndarray], head: str, source: str
+) -> list[str]:
+    """Copy Hugging Face tensors into `model` in place; returns the head parameters that were absent."""
+    cfg = model.config
+    state = nnx.state(model, nnx.Param)
+    flat = _flatten(nnx.to_pure_dict(state))
+    tensors = _normalise_keys(tensors, cfg.flavor)
+    missing_encoder, missing_head = [], []
+    for row in key_table(cfg, head):
+        if row.hf not in tensors:
+            (missing_head if row.head else missing_encoder).append(row.hf)
+            continue
+        value = tensors[row.hf].T if row.transpose else tensors[row.hf]
+        expected = tuple(flat[row.path].shape)
+        if tuple(value.shape) != expected:
+            want = expected[::-1] if row.transpose else expected
+            raise UserError(
+                f"{source}: {row.hf} has shape {tuple(tensors[row.hf].shape)} but config.json implies {want}"
+            )
+        flat[row.path] = np.ascontiguousarray(value)
+    if missing_encoder:
+        more = f" and {len(missing_encoder) - 1} more" if len(missing_encoder) > 1 else ""
+        raise UserError(f"{source}: missing weight {missing_encoder[0]}{more} (does config.json match the weights?)")
+    nnx.replace_by_pure_dict(state, _unflatten(flat))
+    nnx.update(model, state)
+    return missing_head
+
+
+def export_weights(model: MaskedLM | SequenceClassifier, head: str) -> dict[str, np.ndarray]:
+    flat = _flatten(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    out = {}
+    for row in key_table(model.config, head):
+        value = np.asarray(flat[row.path], dtype=np.float32)
+        out[row.hf] = np.ascontiguousarray(value.T if row.transpose else value)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------ folders
+@dataclasses.dataclass
+class Pretrained:
+    model: MaskedLM | SequenceClassifier
+    tokenizer: BertTokenizer | None
+    head: str
+    id2label: dict[int, str]
+    problem_type: str | None
+    folder: Path
+    missing_head: list[str]  # head parameters initialised fresh because the checkpoint lacks them
+
+
+def resolve(name: str | os.PathLike) -> Path:
+    """A local folder, or a hub id resolved through huggingface_hub (its cache when offline). Never runs code."""
+    path = Path(name)
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise UserError(f"{name}: is a file; a model is a folder with config.json and model.safetensors")
+    text = str(name)
+    if not re.fullmatch(r"[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?", text):
+        raise UserError(f"{name}: no such model folder")
+    from huggingface_hub import snapshot_download
+
+    patterns = [
+        "config.json",
+        "*.safetensors",
+        "model.safetensors.index.json",
+        "tokenizer*",
+        "vocab*",
+        "*.txt",
+    ]
+    patterns += ["special_tokens_map.json", "merges.txt"]
+    try:
+        return Path(snapshot_download(repo_id=text, allow_patterns=patterns))
+    except Exception as e:  # offline, unknown repo, no cache: all the same to the user
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise UserError(f"{name}: no such folder, and the Hugging Face hub cannot provide it ({reason})") from None
+
+
+def _read_config(folder: Path) -> dict[str, Any]:
+    path = folder / "config.json"
+    if not path.exists():
+        raise UserError(f"{folder}: no config.json (is this a model folder?)")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise UserError(f"{path}: not valid JSON") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: expected a JSON object")
+    return data
+
+
+def load_pretrained(
+    name: str | os.PathLike,
+    head: str | None = None,
+    require_head: bool = False,
+    num_labels: int | None = None,
+    need_tokenizer: bool = True,
+    dtype: str | None = None,
+    seed: int = 0,
+) -> Pretrained:
+    """Load a Hugging Face BERT/RoBERTa folder (or hub id) into a bertforge model.
+
+    head None takes the head that config.json names (a bare encoder gets the MLM head). With `require_head` a
+    checkpoint without that head's weights is an error; otherwise the head starts fresh and is listed.
+    """
+    folder = resolve(name)
+    data = _read_config(folder)
+    source = str(folder / "config.json")
+    cfg, info = config_from_hf(data, source)
+    if dtype is not None:
+        cfg = dataclasses.replace(cfg, dtype=dtype)
+    head = head or info.head or "mlm"
+    if head not in HEADS:
+        raise ValueError(f"unknown head {head!r}")
+    tokenizer = None
+    if need_tokenizer:
+        tokenizer = BertTokenizer.load(folder)
+        if tokenizer.vocab_size > cfg.vocab_size:
+            raise UserError(
+                f"{folder}: the tokenizer has {tokenizer.vocab_size} tokens but the model's embedding table "
+                f"(config.json vocab_size) has only {cfg.vocab_size} rows"
+            )
+    id2label = info.id2label
+    if num_labels is not None and num_labels != len(id2label):
+        id2label = {i: f"LABEL_{i}" for i in range(num_labels)}
+    tensors = read_weights(folder)
+    model = build(cfg, head, num_labels=len(id2label), seed=seed)
+    missing = load_weights(model, tensors, head, str(folder))
+    if missing and require_head:
+        kind = "masked-LM" if head == "mlm" else "sequence-classification"
+        raise UserError(f"{folder}: has no {kind} head weights (missing {missing[0]}); is it the right model?")
+    return Pretrained(model, tokenizer, head, id2label, info.problem_type, folder, missing)
+
+
+def save_pretrained(
+    model: MaskedLM | SequenceClassifier,
+    out: str | os.PathLike,
+    tokenizer: BertTokenizer | None = None,
+    id2label: dict[int, str] | None = None,
+) -> Path:
+    """Write a folder that transformers' AutoModelForMaskedLM / AutoModelForSequenceClassification load.
+
+    Files are written into a temporary folder and moved into place, so a crash never leaves a half-written export.
+    """
+    out = Path(out)
+    head = "mlm" if isinstance(model, MaskedLM) else "sequence"
+    if head == "sequence":
+        id2label = id2label or {i: f"LABEL_{i}" for i in range(model.num_labels)}
+        if len(id2label) != model.num_labels:
+            raise ValueError(f"id2label has {len(id2label)} labels, the model {model.num_labels}")
+    if tokenizer is not None and tokenizer.vocab_size > model.config.vocab_size:
+        raise UserError(
+            f"the tokenizer has {tokenizer.vocab_size} tokens but the model's embedding table has only "
+            f"{model.config.vocab_size} rows"
+        )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    try:
+        config = config_to_hf(model.config, head, id2label)
+        write_atomic(tmp / "config.json", json.dumps(config, indent=2) + "\n")
+        blob = safetensors_bytes(export_weights(model, head), metadata={"format": "pt"})
+        write_atomic(tmp / "model.safetensors", blob)
+        if tokenizer is not None:
+            tokenizer.save(tmp)
+        if not out.exists():
+            os.replace(tmp, out)
+        else:
+            for f in tmp.iterdir():
+                os.replace(f, out / f.name)
+            tmp.rmdir()
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out

@@ -1,0 +1,81 @@
+"""Devices: the mesh, and the one table that maps logical axis names onto it.
+
+Model code names its axes ('batch', 'embed', 'mlp', ...); only this table says which mesh axis each is split
+over. Data parallel is ('data',); FSDP shards parameters over 'fsdp'; 'tensor' is for tensor parallelism.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+# logical axis -> mesh axis (or axes, or None for replicated)
+RULES: dict[str, str | tuple[str, ...] | None] = {
+    "batch": ("data", "fsdp"),
+    "length": None,
+    "embed": "fsdp",
+    "mlp": "tensor",
+    "heads": "tensor",
+    "vocab": "tensor",
+    "position": None,
+    "token_type": None,
+}
+
+
+def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices=None) -> Mesh:
+    """A ('data', 'fsdp', 'tensor') mesh over all devices; -1 takes what the other axes leave."""
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = [data, fsdp, tensor]
+    if sizes.count(-1) > 1:
+        raise ValueError("at most one mesh axis may be -1")
+    known = int(np.prod([s for s in sizes if s != -1]))
+    if -1 in sizes:
+        if len(devices) % known:
+            raise ValueError(f"{len(devices)} devices do not split into fsdp={fsdp} x tensor={tensor}")
+        sizes[sizes.index(-1)] = len(devices) // known
+    if int(np.prod(sizes)) != len(devices):
+        raise ValueError(
+            f"mesh {dict(zip(MESH_AXES, sizes, strict=True))} needs {np.prod(sizes)} devices, there are {len(devices)}"
+        )
+    return Mesh(np.array(devices).reshape(sizes), MESH_AXES)
+
+
+def logical_to_mesh(axes: tuple[str | None, ...]) -> PartitionSpec:
+    return PartitionSpec(*(None if a is None else RULES.get(a) for a in axes))
+
+
+def _spec_for(mesh: Mesh, axes: tuple[str | None, ...], shape: tuple[int, ...]) -> PartitionSpec:
+    # A dimension that does not divide over its mesh axes stays replicated rather than failing.
+    spec = []
+    for dim, mesh_axes in zip(shape, logical_to_mesh(axes), strict=True):
+        names = (mesh_axes,) if isinstance(mesh_axes, str) else (mesh_axes or ())
+        size = int(np.prod([mesh.shape[n] for n in names])) if names else 1
+        spec.append(mesh_axes if names and dim % size == 0 else None)
+    return PartitionSpec(*spec)
+
+
+def param_shardings(model: nnx.Module, mesh: Mesh) -> nnx.State:
+    """NamedSharding for every parameter of `model`, from its logical axis names and RULES."""
+    state = nnx.state(model, nnx.Param)
+
+    def one(var: nnx.Variable) -> NamedSharding:
+        axes = var.get_metadata().get("out_sharding") or (None,) * var[...].ndim
+        return NamedSharding(mesh, _spec_for(mesh, tuple(axes), var[...].shape))
+
+    return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def shard_model(model: nnx.Module, mesh: Mesh) -> None:
+    """Place `model`'s parameters on `mesh` as RULES say, in place."""
+    state = nnx.state(model, nnx.Param)
+    shardings = param_shardings(model, mesh)
+    nnx.update(model, jax.device_put(state, shardings))
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """(B, T) arrays: batch over the data-parallel axes, tokens replicated."""
+    return NamedSharding(mesh, logical_to_mesh(("batch", "length")))

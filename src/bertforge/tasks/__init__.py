@@ -1,0 +1,1 @@
+"""Tasks: each a Config dataclass and main(cfg)."""

@@ -1,0 +1,462 @@
+"""Train and load tokenizers (Hugging Face `tokenizers`), and encode with head, tail or head+tail truncation.
+
+A trained tokenizer is saved as a folder that `transformers.AutoTokenizer.from_pretrained` loads: tokenizer.json
+plus tokenizer_config.json naming the special tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import fsspec
+from tokenizers import (
+    AddedToken,
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+    trainers,
+)
+
+from bertforge.errors import UserError
+from bertforge.fileio import write_atomic
+
+TRUNCATIONS = ("head", "tail", "head+tail")
+KINDS = ("wordpiece", "unigram", "bpe")
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecialTokens:
+    cls: str
+    sep: str
+    pad: str
+    mask: str
+    unk: str
+
+
+BERT_SPECIALS = SpecialTokens(cls="[CLS]", sep="[SEP]", pad="[PAD]", mask="[MASK]", unk="[UNK]")
+ROBERTA_SPECIALS = SpecialTokens(cls="<s>", sep="</s>", pad="<pad>", mask="<mask>", unk="<unk>")
+STYLES = {"bert": BERT_SPECIALS, "roberta": ROBERTA_SPECIALS}
+
+
+def _vocab_order(style: str) -> list[str]:
+    # BERT models pad with id 0; RoBERTa's fairseq dictionary order puts <s> at 0 and <pad> at 1.
+    s = STYLES[style]
+    if style == "roberta":
+        return [s.cls, s.pad, s.sep, s.unk, s.mask]
+    return [s.pad, s.unk, s.cls, s.sep, s.mask]
+
+
+# ----------------------------------------------------------------------------------------------------- reading text
+def expand_files(paths: Sequence[str]) -> list[str]:
+    """Local paths, globs or fsspec URLs -> concrete file URLs; a pattern matching nothing is an error."""
+    out: list[str] = []
+    for p in paths:
+        if any(ch in p for ch in "*?["):
+            fs, _, matches = fsspec.get_fs_token_paths(p)
+            if not matches:
+                raise UserError(f"{p}: no file matches this pattern")
+            out.extend(fs.unstrip_protocol(m) if "://" in p else m for m in sorted(matches))
+        else:
+            fs, _, (one,) = fsspec.get_fs_token_paths(p)
+            if not fs.exists(one):
+                raise UserError(f"{p}: no such file")
+            if fs.isdir(one):
+                raise UserError(f"{p}: is a folder, not a text file")
+            out.append(p)
+    return out
+
+
+def iter_lines(path: str) -> Iterator[str]:
+    """Stripped, non-blank lines of a UTF-8 text file (local or fsspec URL); invalid UTF-8 names the line."""
+    try:
+        fh = fsspec.open(path, "rb").open()
+    except (OSError, ValueError) as e:
+        raise UserError(f"{path}: cannot be read ({e})") from None
+    with fh:
+        for lineno, raw in enumerate(fh, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise UserError(f"{path}: line {lineno} is not UTF-8 text (byte {e.start} of the line)") from None
+            if lineno == 1:
+                line = line.removeprefix("\ufeff")
+            line = line.strip()
+            if line:
+                yield line
+
+
+# ----------------------------------------------------------------------------------------------------- training
+def build_untrained(kind: str, style: str, lowercase: bool) -> tuple[Tokenizer, Any]:
+    """An untrained tokenizers pipeline for `kind` and the trainer that fits it."""
+    if kind not in KINDS:
+        raise UserError(f"unknown tokenizer type '{kind}' (choose from {', '.join(KINDS)})")
+    if style not in STYLES:
+        raise UserError(f"unknown special-token style '{style}' (choose from {', '.join(STYLES)})")
+    s = STYLES[style]
+    # The mask token swallows the space before it, so "a <mask>." tokenizes like "a word." (as RoBERTa does).
+    specials = [AddedToken(t, special=True, lstrip=(t == s.mask and style == "roberta")) for t in _vocab_order(style)]
+    if kind == "wordpiece":
+        tok = Tokenizer(models.WordPiece(unk_token=s.unk, continuing_subword_prefix="##"))
+        tok.normalizer = normalizers.BertNormalizer(clean_text=True, lowercase=lowercase, strip_accents=lowercase)
+        tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        tok.decoder = decoders.WordPiece(prefix="##")
+        trainer = trainers.WordPieceTrainer
+        extra: dict[str, Any] = {"continuing_subword_prefix": "##"}
+    elif kind == "unigram":
+        tok = Tokenizer(models.Unigram())
+        norms = [normalizers.NFKC()] + ([normalizers.Lowercase()] if lowercase else [])
+        tok.normalizer = normalizers.Sequence(norms)
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
+        tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
+        trainer = trainers.UnigramTrainer
+        extra = {"unk_token": s.unk}
+    else:  # byte-level BPE, as GPT-2 and RoBERTa
+        tok = Tokenizer(models.BPE())
+        if lowercase:
+            tok.normalizer = normalizers.Lowercase()
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer
+        extra = {"initial_alphabet": pre_tokenizers.ByteLevel.alphabet()}
+    return tok, (trainer, specials, extra)
+
+
+def _post_processor(tok: Tokenizer, style: str) -> Any:
+    s = STYLES[style]
+    cls_id, sep_id = tok.token_to_id(s.cls), tok.token_to_id(s.sep)
+    if style == "roberta":
+        return processors.TemplateProcessing(
+            single=f"{s.cls} $A {s.sep}",
+            pair=f"{s.cls} $A {s.sep} {s.sep} $B {s.sep}",
+            special_tokens=[(s.cls, cls_id), (s.sep, sep_id)],
+        )
+    return processors.TemplateProcessing(
+        single=f"{s.cls} $A {s.sep}",
+        pair=f"{s.cls} $A {s.sep} $B:1 {s.sep}:1",
+        special_tokens=[(s.cls, cls_id), (s.sep, sep_id)],
+    )
+
+
+def train(
+    files: Sequence[str],
+    kind: str,
+    vocab_size: int,
+    out: str | Path,
+    lowercase: bool = False,
+    style: str | None = None,
+    min_frequency: int = 2,
+    model_max_length: int = 512,
+    show_progress: bool = False,
+) -> BertTokenizer:
+    """Train a tokenizer on text files and save it as an AutoTokenizer-loadable folder `out`."""
+    style = style or ("roberta" if kind == "bpe" else "bert")
+    if vocab_size < 16:
+        raise UserError(f"--vocab-size {vocab_size} is too small (at least 16)")
+    paths = expand_files(files)
+    tok, (trainer_cls, specials, extra) = build_untrained(kind, style, lowercase)
+    trainer = trainer_cls(
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        show_progress=show_progress,
+        **extra,
+        **({} if kind == "unigram" else {"min_frequency": min_frequency}),
+    )
+    count = 0
+
+    def corpus() -> Iterator[str]:
+        nonlocal count
+        for path in paths:
+            for line in iter_lines(path):
+                count += 1
+                yield line
+
+    tok.train_from_iterator(corpus(), trainer=trainer)
+    if count == 0:
+        raise UserError(f"{', '.join(files)}: the corpus is empty (no non-blank line)")
+    tok.post_processor = _post_processor(tok, style)
+    result = BertTokenizer(tok, STYLES[style], lowercase=lowercase, model_max_length=model_max_length)
+    result.save(out)
+    return result
+
+
+# ----------------------------------------------------------------------------------------------------- encoding
+def truncate(ids: Sequence[int], budget: int, strategy: str = "head", head_fraction: float = 0.25) -> list[int]:
+    """Cut `ids` to at most `budget` tokens: keep the start (head), the end (tail) or both (head+tail).
+
+    head+tail keeps the first `head_fraction` of the budget and fills the rest from the end, as Sun et al. (2019)
+    found best for long documents (128 head + 382 tail tokens of 512).
+    """
+    ids = list(ids)
+    if budget < 0:
+        raise ValueError("budget must be >= 0")
+    if len(ids) <= budget:
+        return ids
+    if strategy == "head":
+        return ids[:budget]
+    if strategy == "tail":
+        return ids[len(ids) - budget :]
+    if strategy == "head+tail":
+        n_head = int(budget * head_fraction)
+        n_tail = budget - n_head
+        return ids[:n_head] + (ids[len(ids) - n_tail :] if n_tail else [])
+    raise UserError(f"unknown truncation '{strategy}' (choose from {', '.join(TRUNCATIONS)})")
+
+
+def _pair_budgets(la: int, lb: int, budget: int) -> tuple[int, int]:
+    """Longest-first split of a token budget between two texts."""
+    if la + lb <= budget:
+        return la, lb
+    short = min(la, lb)
+    if short <= budget // 2:
+        return (budget - lb, lb) if la > lb else (la, budget - la)
+    half = budget // 2
+    return budget - half, half
+
+
+@dataclasses.dataclass(frozen=True)
+class Encoded:
+    ids: list[int]
+    type_ids: list[int]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Template:
+    """Where special tokens go around one text or a pair: prefix A middle B suffix, with their type ids."""
+
+    prefix: list[int]
+    middle: list[int]
+    suffix: list[int]
+    single_suffix: list[int]
+    prefix_types: list[int]
+    middle_types: list[int]
+    suffix_types: list[int]
+    b_type: int
+
+
+def _split_specials(enc: Any) -> list[tuple[list[int], list[int]]]:
+    """Runs of special / non-special tokens of an encoding, as (ids, type_ids) groups alternating by kind."""
+    groups: list[tuple[bool, list[int], list[int]]] = []
+    for tid, typ, special in zip(enc.ids, enc.type_ids, enc.special_tokens_mask, strict=True):
+        if groups and groups[-1][0] == bool(special):
+            groups[-1][1].append(tid)
+            groups[-1][2].append(typ)
+        else:
+            groups.append((bool(special), [tid], [typ]))
+    return groups
+
+
+class BertTokenizer:
+    """A `tokenizers.Tokenizer` with its special tokens, encoding with bertforge's truncation strategies."""
+
+    def __init__(
+        self,
+        tok: Tokenizer,
+        specials: SpecialTokens,
+        lowercase: bool | None = None,
+        model_max_length: int = 512,
+        extra_config: dict[str, Any] | None = None,
+    ):
+        tok.no_padding()
+        tok.no_truncation()
+        self.tok = tok
+        self.specials = specials
+        self.lowercase = lowercase
+        self.model_max_length = model_max_length
+        self.extra_config = dict(extra_config or {})
+        for name in ("cls", "sep", "pad", "mask", "unk"):
+            token = getattr(specials, name)
+            if tok.token_to_id(token) is None:
+                raise UserError(f"the tokenizer has no {name} token '{token}' in its vocabulary")
+        self.cls_id = tok.token_to_id(specials.cls)
+        self.sep_id = tok.token_to_id(specials.sep)
+        self.pad_id = tok.token_to_id(specials.pad)
+        self.mask_id = tok.token_to_id(specials.mask)
+        self.unk_id = tok.token_to_id(specials.unk)
+        self.template = self._template()
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def mask_token(self) -> str:
+        return self.specials.mask
+
+    def _template(self) -> _Template:
+        if self.tok.post_processor is None:  # no template: wrap as BERT does
+            return _Template([self.cls_id], [self.sep_id], [self.sep_id], [self.sep_id], [0], [0], [1], 1)
+        single = _split_specials(self.tok.encode("a b", add_special_tokens=True))
+        pair = _split_specials(self.tok.encode("a b", "c d", add_special_tokens=True))
+
+        def run(groups: list, index: int, special: bool) -> tuple[list[int], list[int]]:
+            if 0 <= index < len(groups) and groups[index][0] == special:
+                return groups[index][1], groups[index][2]
+            return [], []
+
+        start = 1 if pair and pair[0][0] else 0
+        prefix, prefix_types = run(pair, 0, True)
+        middle, middle_types = run(pair, start + 1, True)
+        suffix, suffix_types = run(pair, start + 3, True)
+        b_types = pair[start + 2][2] if len(pair) > start + 2 else [0]
+        s_start = 1 if single and single[0][0] else 0
+        single_suffix, _ = run(single, s_start + 1, True)
+        return _Template(prefix, middle, suffix, single_suffix, prefix_types, middle_types, suffix_types, b_types[0])
+
+    def num_special(self, pair: bool = False) -> int:
+        t = self.template
+        return len(t.prefix) + (len(t.middle) + len(t.suffix) if pair else len(t.single_suffix))
+
+    def tokenize_ids(self, texts: Sequence[str]) -> list[list[int]]:
+        """Token ids without special tokens, in parallel over the batch."""
+        return [e.ids for e in self.tok.encode_batch(list(texts), add_special_tokens=False)]
+
+    def assemble(
+        self,
+        a: Sequence[int],
+        b: Sequence[int] | None = None,
+        max_length: int | None = None,
+        truncation: str = "head",
+        head_fraction: float = 0.25,
+    ) -> Encoded:
+        """Special tokens around already tokenized text(s), truncated to `max_length` in all."""
+        t = self.template
+        budget = None if max_length is None else max_length - self.num_special(b is not None)
+        if budget is not None and budget < 0:
+            raise UserError(f"max_length {max_length} leaves no room for the special tokens")
+        if b is None:
+            a = truncate(a, budget, truncation, head_fraction) if budget is not None else list(a)
+            ids = t.prefix + a + t.single_suffix
+            return Encoded(ids, [0] * len(ids))
+        if budget is not None:
+            ba, bb = _pair_budgets(len(a), len(b), budget)
+            a, b = truncate(a, ba, truncation, head_fraction), truncate(b, bb, truncation, head_fraction)
+        ids = t.prefix + list(a) + t.middle + list(b) + t.suffix
+        types = t.prefix_types + [0] * len(a) + t.middle_types + [t.b_type] * len(b) + t.suffix_types
+        return Encoded(ids, types)
+
+    def encode_batch(
+        self,
+        texts: Sequence[str],
+        pairs: Sequence[str] | None = None,
+        max_length: int | None = None,
+        truncation: str = "head",
+        head_fraction: float = 0.25,
+    ) -> list[Encoded]:
+        if truncation not in TRUNCATIONS:
+            raise UserError(f"unknown truncation '{truncation}' (choose from {', '.join(TRUNCATIONS)})")
+        a_ids = self.tokenize_ids(texts)
+        b_ids: Iterable[Any] = self.tokenize_ids(pairs) if pairs is not None else [None] * len(a_ids)
+        return [self.assemble(a, b, max_length, truncation, head_fraction) for a, b in zip(a_ids, b_ids, strict=True)]
+
+    def encode(self, text: str, pair: str | None = None, **kwargs: Any) -> Encoded:
+        return self.encode_batch([text], None if pair is None else [pair], **kwargs)[0]
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, i: int) -> str | None:
+        return self.tok.id_to_token(i)
+
+    # ------------------------------------------------------------------------------------------------- files
+    def config_json(self) -> dict[str, Any]:
+        s = self.specials
+        cfg: dict[str, Any] = dict(self.extra_config)
+        cfg.update(
+            tokenizer_class="PreTrainedTokenizerFast",
+            cls_token=s.cls,
+            sep_token=s.sep,
+            pad_token=s.pad,
+            mask_token=s.mask,
+            unk_token=s.unk,
+            model_max_length=self.model_max_length,
+        )
+        if s == ROBERTA_SPECIALS:
+            cfg.update(bos_token=s.cls, eos_token=s.sep, model_input_names=["input_ids", "attention_mask"])
+        else:
+            cfg["model_input_names"] = ["input_ids", "token_type_ids", "attention_mask"]
+        if self.lowercase is not None:
+            cfg["do_lower_case"] = self.lowercase
+        return cfg
+
+    def save(self, out: str | Path) -> None:
+        """Write tokenizer.json and tokenizer_config.json into folder `out` (each file written whole, then renamed)."""
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
+        write_atomic(out / "tokenizer.json", self.tok.to_str(pretty=True))
+        write_atomic(out / "tokenizer_config.json", json.dumps(self.config_json(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, folder: str | Path) -> BertTokenizer:
+        """Load from a folder with tokenizer.json (or a BERT vocab.txt); special tokens from tokenizer_config.json."""
+        folder = Path(folder)
+        config = _read_json(folder / "tokenizer_config.json") if (folder / "tokenizer_config.json").exists() else {}
+        special_map = (
+            _read_json(folder / "special_tokens_map.json") if (folder / "special_tokens_map.json").exists() else {}
+        )
+        if (folder / "tokenizer.json").exists():
+            try:
+                tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+            except Exception as e:  # tokenizers raises a bare Exception on malformed files
+                raise UserError(f"{folder / 'tokenizer.json'}: not a valid tokenizer file ({e})") from None
+        elif (folder / "vocab.txt").exists():
+            tok = _wordpiece_from_vocab(folder / "vocab.txt", bool(config.get("do_lower_case", True)))
+        else:
+            raise UserError(f"{folder}: no tokenizer here (tokenizer.json or vocab.txt)")
+        specials = _special_tokens(tok, config, special_map, folder)
+        max_len = config.get("model_max_length", 512)
+        max_len = max_len if isinstance(max_len, int) and max_len < 10**9 else 512
+        keep = {k: v for k, v in config.items() if k in ("clean_up_tokenization_spaces",)}
+        return cls(tok, specials, config.get("do_lower_case"), max_len, keep)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise UserError(f"{path}: not valid JSON") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: expected a JSON object")
+    return data
+
+
+def _token_str(value: Any) -> str | None:
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _special_tokens(tok: Tokenizer, config: dict, special_map: dict, folder: Path) -> SpecialTokens:
+    found: dict[str, str] = {}
+    vocab = tok.get_vocab(with_added_tokens=True)
+    for name in ("cls", "sep", "pad", "mask", "unk"):
+        token = _token_str(config.get(f"{name}_token")) or _token_str(special_map.get(f"{name}_token"))
+        if token is None:  # no config: recognise either convention from the vocabulary
+            for style in (BERT_SPECIALS, ROBERTA_SPECIALS):
+                if getattr(style, name) in vocab:
+                    token = getattr(style, name)
+                    break
+        if token is None:
+            raise UserError(f"{folder}: the tokenizer has no {name} token (set {name}_token in tokenizer_config.json)")
+        found[name] = token
+    return SpecialTokens(**found)
+
+
+def _wordpiece_from_vocab(path: Path, lowercase: bool) -> Tokenizer:
+    vocab = {}
+    with open(path, encoding="utf-8") as fh:
+        for i, line in enumerate(fh):
+            vocab[line.rstrip("\n")] = i
+    tok = Tokenizer(models.WordPiece(vocab=vocab, unk_token="[UNK]", continuing_subword_prefix="##"))
+    tok.normalizer = normalizers.BertNormalizer(clean_text=True, lowercase=lowercase, strip_accents=lowercase)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece(prefix="##")
+    tok.add_special_tokens([t for t in _vocab_order("bert") if t in vocab])
+    tok.post_processor = _post_processor(tok, "bert")
+    return tok

@@ -1,0 +1,53 @@
+"""Shared fixtures. Eight simulated CPU devices, so that sharding is exercised on any machine."""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import random  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+WORDS = (
+    "the of and to in a is was for on that with as by at from his her it an were are which this be "
+    "river city music game season film league army church school station album king war team story"
+).split()
+
+
+def make_corpus(path: Path, n_lines: int = 3000, seed: int = 0) -> Path:
+    """Sentences of common and made-up words: enough structure for tokenizers to learn merges and pieces."""
+    rng = random.Random(seed)
+    invented = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(3, 10))) for _ in range(500)]
+    vocab = WORDS + invented
+    with open(path, "w", encoding="utf-8") as fh:
+        for _ in range(n_lines):
+            words = [rng.choice(vocab) for _ in range(rng.randint(3, 24))]
+            fh.write(" ".join(words).capitalize() + rng.choice([".", "!", "?", ", and so on."]) + "\n")
+    return path
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> Path:
+    return make_corpus(tmp_path_factory.mktemp("corpus") / "corpus.txt")
+
+
+@pytest.fixture(scope="session")
+def wordpiece_dir(corpus, tmp_path_factory) -> Path:
+    from bertforge import tokenizer
+
+    out = tmp_path_factory.mktemp("tok") / "wordpiece"
+    tokenizer.train([str(corpus)], "wordpiece", 700, out, lowercase=True)
+    return out
+
+
+@pytest.fixture(scope="session")
+def bpe_dir(corpus, tmp_path_factory) -> Path:
+    from bertforge import tokenizer
+
+    out = tmp_path_factory.mktemp("tok") / "bpe"
+    tokenizer.train([str(corpus)], "bpe", 700, out)
+    return out

