@@ -21,7 +21,9 @@ WORDS = (
 def make_corpus(path: Path, n_lines: int = 3000, seed: int = 0) -> Path:
     """Sentences of common and made-up words: enough structure for tokenizers to learn merges and pieces."""
     rng = random.Random(seed)
-    invented = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(3, 10))) for _ in range(500)]
+    invented = [
+        "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(3, 10))) for _ in range(500)
+    ]
     vocab = WORDS + invented
     with open(path, "w", encoding="utf-8") as fh:
         for _ in range(n_lines):

@@ -92,7 +92,9 @@ def test_mlm_logits_match_transformers(flavor, model_cls, tok_fixture, request, 
     ],
 )
 def test_sequence_outputs_match_transformers(flavor, model_cls, tok_fixture, num_labels, request, tmp_path):
-    folder = save_hf_model(model_cls, flavor, request.getfixturevalue(tok_fixture), tmp_path / "hf", num_labels=num_labels)
+    folder = save_hf_model(
+        model_cls, flavor, request.getfixturevalue(tok_fixture), tmp_path / "hf", num_labels=num_labels
+    )
     pre = load_pretrained(folder, require_head=True)
     assert pre.head == "sequence" and pre.model.num_labels == num_labels
     batch = batch_for(pre.tokenizer, TEXTS, pairs=["a second text", "b", "the king of the river"])
@@ -110,8 +112,15 @@ def test_round_trip_through_transformers(flavor, tok_fixture, head, request, tmp
     tok = BertTokenizer.load(request.getfixturevalue(tok_fixture))
     cfg = preset("test", flavor=flavor, vocab_size=tok.vocab_size, pad_token_id=tok.pad_id, initializer_range=0.2)
     if flavor == "roberta":
-        cfg = preset("test", flavor=flavor, vocab_size=tok.vocab_size, pad_token_id=tok.pad_id, initializer_range=0.2,
-                     max_position_embeddings=130, type_vocab_size=1)
+        cfg = preset(
+            "test",
+            flavor=flavor,
+            vocab_size=tok.vocab_size,
+            pad_token_id=tok.pad_id,
+            initializer_range=0.2,
+            max_position_embeddings=130,
+            type_vocab_size=1,
+        )
     model = build(cfg, head, num_labels=2, seed=3)
     # Fresh biases are zero and LayerNorms identity: perturb every parameter so that each one is checked.
     state = nnx.state(model, nnx.Param)
@@ -120,7 +129,9 @@ def test_round_trip_through_transformers(flavor, tok_fixture, head, request, tmp
     leaves = [x + 0.05 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys, strict=True)]
     nnx.update(model, jax.tree.unflatten(treedef, leaves))
 
-    out = save_pretrained(model, tmp_path / "export", tok, id2label={0: "neg", 1: "pos"} if head == "sequence" else None)
+    out = save_pretrained(
+        model, tmp_path / "export", tok, id2label={0: "neg", 1: "pos"} if head == "sequence" else None
+    )
     batch = batch_for(tok)
     auto = AutoModelForMaskedLM if head == "mlm" else AutoModelForSequenceClassification
     ref = auto.from_pretrained(out).eval()
@@ -165,7 +176,9 @@ def test_attention_dropout_path_equals_fused_path_without_dropout(wordpiece_dir,
         layer.attn_dropout.rate = 1e-12
         layer.dropout.deterministic = True
     pre.model.encoder.embeddings.dropout.deterministic = True
-    explicit = np.asarray(pre.model(*(jnp.asarray(batch[k]) for k in ("input_ids", "attention_mask", "token_type_ids"))))
+    explicit = np.asarray(
+        pre.model(*(jnp.asarray(batch[k]) for k in ("input_ids", "attention_mask", "token_type_ids")))
+    )
     assert max_diff_on_tokens(fused, explicit, batch["attention_mask"]) <= 1e-4
 
 

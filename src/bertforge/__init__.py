@@ -1,3 +1,40 @@
-"""bertforge: pretrain and fine-tune BERT-family masked language models with JAX."""
+"""bertforge: pretrain and fine-tune BERT-family masked language models with JAX.
+
+The Python API mirrors the command line:
+
+    import bertforge
+    tok = bertforge.train_tokenizer(["corpus.txt"], "wordpiece", 16000, "tok/")
+    pre = bertforge.load("path/or/hub-id")            # model + tokenizer
+    bertforge.fill_mask(pre, ["Paris is the [MASK] of France."])
+    bertforge.predict(pre, ["a text", "another"])     # (N, num_labels)
+    bertforge.save(pre.model, "export/", pre.tokenizer)
+"""
+
+from __future__ import annotations
+
+from typing import Any
 
 __version__ = "0.1.0"
+
+# Imported on first use, so that `bertforge --help` does not wait for JAX.
+_API = {
+    "load": ("bertforge.model.hf", "load_pretrained"),
+    "save": ("bertforge.model.hf", "save_pretrained"),
+    "train_tokenizer": ("bertforge.tokenizer", "train"),
+    "load_tokenizer": ("bertforge.tokenizer", "BertTokenizer.load"),
+    "fill_mask": ("bertforge.api", "fill_mask"),
+    "predict": ("bertforge.api", "predict"),
+}
+__all__ = list(_API)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _API:
+        raise AttributeError(f"module 'bertforge' has no attribute {name!r}")
+    import importlib
+
+    module, attr = _API[name]
+    obj: Any = importlib.import_module(module)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj

@@ -36,7 +36,7 @@ def _init(args: argparse.Namespace, extra: Sequence[str]) -> int:
     cfg = from_dict(init.InitConfig, data)
     vocab_given = "vocab_size" in (data.get("model") or {})
     out = init.main(cfg, args.tokenizer, args.out, vocab_given=vocab_given)
-    print(f"initialised a {cfg.head} model -> {out}")
+    print(f"initialised a {cfg.model.num_layers}-layer model with a {cfg.head} head -> {out}")
     return 0
 
 
@@ -76,6 +76,13 @@ def _predict(args: argparse.Namespace) -> int:
         raise UserError(str(e)) from None
     outputs = predict_main(cfg)
     print(f"wrote {len(outputs)} predictions -> {args.out}")
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from bertforge.tasks import demo
+
+    demo.main(demo.DemoConfig(out=args.out, preset=args.preset))
     return 0
 
 
@@ -127,6 +134,11 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--max-length", type=int, default=None)
     pr.add_argument("--truncation", choices=["head", "tail", "head+tail"], default="head")
     pr.set_defaults(run=_predict)
+
+    dm = sub.add_parser("demo", help="the whole pipeline on a built-in corpus (no download)")
+    dm.add_argument("--out", default="demo-output", help="folder for everything the demo writes")
+    dm.add_argument("--preset", default="mini", help="model size")
+    dm.set_defaults(run=_demo)
     return parser
 
 

@@ -385,6 +385,7 @@ def load_pretrained(
     head = head or info.head or "mlm"
     if head not in HEADS:
         raise ValueError(f"unknown head {head!r}")
+    weight_files(folder)  # refuse pickles before anything else is read
     tokenizer = None
     if need_tokenizer:
         tokenizer = BertTokenizer.load(folder)

@@ -1,0 +1,40 @@
+# The two commands of the README: `make demo` and `make test`. Each sets up .venv on a fresh machine.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+DEMO_OUT ?= demo-output
+
+.PHONY: demo test lint format install dev clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+
+$(VENV)/.installed: $(BIN)/python pyproject.toml
+	$(BIN)/python -m pip install --quiet -e .
+	touch $@
+
+$(VENV)/.installed-dev: $(BIN)/python pyproject.toml
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $@ $(VENV)/.installed
+
+install: $(VENV)/.installed
+
+dev: $(VENV)/.installed-dev
+
+demo: $(VENV)/.installed
+	$(BIN)/bertforge demo --out $(DEMO_OUT)
+
+lint: dev
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: dev lint
+	$(BIN)/python -m pytest -m "not slow"
+
+format: dev
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+clean:
+	rm -rf $(VENV) $(DEMO_OUT) .pytest_cache .ruff_cache

@@ -1,0 +1,228 @@
+"""The command line, end to end: fill-mask and predict against transformers, init, and one-line errors."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from hf_models import save_hf_model
+from transformers import (
+    AutoModelForMaskedLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    BertForMaskedLM,
+    BertForSequenceClassification,
+    RobertaForMaskedLM,
+    pipeline,
+)
+
+from bertforge.cli import main
+
+
+def run_cli(capsys, *argv):
+    capsys.readouterr()  # drop what the test's own setup printed
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize(
+    "flavor,model_cls,tok_fixture",
+    [("bert", BertForMaskedLM, "wordpiece_dir"), ("roberta", RobertaForMaskedLM, "bpe_dir")],
+)
+def test_fill_mask_matches_the_transformers_pipeline(flavor, model_cls, tok_fixture, request, tmp_path, capsys):
+    folder = save_hf_model(model_cls, flavor, request.getfixturevalue(tok_fixture), tmp_path / "hf")
+    reference = pipeline("fill-mask", model=str(folder), top_k=5)
+    mask = reference.tokenizer.mask_token
+    texts = [f"The river city had a {mask} school.", f"A {mask} of the league and the {mask} season!"]
+    code, out, err = run_cli(capsys, "fill-mask", "--model", folder, "--json", "--top-k", 5, *texts)
+    assert code == 0, err
+    ours = json.loads(out)
+    for text, result in zip(texts, ours, strict=True):
+        theirs = reference(text)
+        theirs = theirs if isinstance(theirs[0], list) else [theirs]  # one mask: a flat list
+        assert len(result["masks"]) == len(theirs) == text.count(mask)
+        for our_mask, their_mask in zip(result["masks"], theirs, strict=True):
+            assert [o["token"] for o in our_mask] == [t["token"] for t in their_mask]
+            assert [o["token_str"].strip() for o in our_mask] == [t["token_str"].strip() for t in their_mask]
+            np.testing.assert_allclose([o["score"] for o in our_mask], [t["score"] for t in their_mask], atol=1e-4)
+            # far above uniform (1 / vocabulary size), so the comparison has teeth
+            assert our_mask[0]["score"] > 5 / reference.tokenizer.vocab_size
+
+
+def test_fill_mask_table_accepts_bracket_mask_for_any_model(bpe_dir, tmp_path, capsys):
+    folder = save_hf_model(RobertaForMaskedLM, "roberta", bpe_dir, tmp_path / "hf")
+    code, out, err = run_cli(capsys, "fill-mask", "--model", folder, "--top-k", 3, "The [MASK] of the city.")
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0] == "The [MASK] of the city."
+    assert len(lines) == 4
+    scores = [float(line.split()[0]) for line in lines[1:]]
+    assert scores == sorted(scores, reverse=True) and all(0 < s <= 1 for s in scores)
+
+
+def _write_table(path, rows):
+    with open(path, "w", newline="", encoding="utf-8") as fh:
+        writer = csv.writer(fh)
+        writer.writerow(["id", "excerpt"])
+        writer.writerows(rows)
+
+
+@pytest.mark.parametrize("num_labels", [1, 3])
+def test_predict_equals_transformers_logits(num_labels, wordpiece_dir, tmp_path, capsys):
+    folder = save_hf_model(BertForSequenceClassification, "bert", wordpiece_dir, tmp_path / "hf", num_labels=num_labels)
+    texts = [
+        "The river city had a music school.",
+        'A text with "quotes", commas,\nand a newline in the field.',
+        " ".join(["a very long text about the army"] * 40),  # longer than the model's 64 positions: truncated
+        "Short!",
+    ]
+    data = tmp_path / "test.csv"
+    _write_table(data, [(f"row{i}", t) for i, t in enumerate(texts)])
+    out = tmp_path / "preds.csv"
+    code, stdout, err = run_cli(
+        capsys,
+        "predict",
+        "--model",
+        folder,
+        "--data",
+        data,
+        "--text-column",
+        "excerpt",
+        "--out",
+        out,
+        "--batch-size",
+        2,
+    )
+    assert code == 0, err
+    with open(out, newline="", encoding="utf-8") as fh:
+        rows = list(csv.DictReader(fh))
+    assert [r["id"] for r in rows] == [f"row{i}" for i in range(len(texts))]
+
+    model = AutoModelForSequenceClassification.from_pretrained(folder).eval()
+    tok = AutoTokenizer.from_pretrained(folder)
+    for row, text in zip(rows, texts, strict=True):
+        enc = tok(text, truncation=True, max_length=64, return_tensors="pt")
+        with torch.no_grad():
+            logits = model(**enc).logits[0].numpy()
+        if num_labels == 1:
+            assert float(row["prediction"]) == pytest.approx(float(logits[0]), abs=1e-4)
+        else:
+            ours = np.array([float(row[f"logit_LABEL_{j}"]) for j in range(num_labels)])
+            np.testing.assert_allclose(ours, logits, atol=1e-4)
+            assert row["label"] == f"LABEL_{int(np.argmax(logits))}"
+
+
+def test_init_then_fill_mask_and_transformers_load(wordpiece_dir, tmp_path, capsys):
+    out = tmp_path / "model"
+    code, _, err = run_cli(
+        capsys, "init", "--tokenizer", wordpiece_dir, "--out", out, "--model.preset=test", "--model.num_layers=1"
+    )
+    assert code == 0, err
+    hf = AutoModelForMaskedLM.from_pretrained(out)
+    assert hf.config.num_hidden_layers == 1 and hf.config.vocab_size == 700
+    code, stdout, err = run_cli(capsys, "fill-mask", "--model", out, "--json", "the [MASK] city")
+    assert code == 0, err
+    assert len(json.loads(stdout)[0]["masks"][0]) == 5
+
+
+# ---------------------------------------------------------------------------------------------------- bad input
+def assert_one_line_error(code, out, err, *fragments):
+    assert code == 2
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+def test_bad_inputs_get_one_line_errors(wordpiece_dir, corpus, tmp_path, capsys):
+    folder = save_hf_model(BertForMaskedLM, "bert", wordpiece_dir, tmp_path / "hf")
+
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    (pickled / "config.json").write_text((folder / "config.json").read_text())
+    (pickled / "pytorch_model.bin").write_bytes(b"\x80\x04never unpickled")
+    assert_one_line_error(*run_cli(capsys, "fill-mask", "--model", pickled, "a [MASK]"), "pytorch_model.bin", "convert")
+
+    gpt = tmp_path / "gpt"
+    gpt.mkdir()
+    (gpt / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    assert_one_line_error(*run_cli(capsys, "fill-mask", "--model", gpt, "a [MASK]"), "config.json", "gpt2")
+
+    small = tmp_path / "small-vocab"
+    small.mkdir()
+    for f in folder.iterdir():
+        (small / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((small / "config.json").read_text())
+    cfg["vocab_size"] = 10
+    (small / "config.json").write_text(json.dumps(cfg))
+    assert_one_line_error(*run_cli(capsys, "fill-mask", "--model", small, "a [MASK]"), "700 tokens", "10 rows")
+
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    args = ["tokenizer", "train", "--files", empty, "--vocab-size", 100, "--out", tmp_path / "t1"]
+    assert_one_line_error(*run_cli(capsys, *args), "empty.txt", "empty")
+
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes("na\xefve\n".encode("latin-1"))
+    args = ["tokenizer", "train", "--files", latin, "--vocab-size", 100, "--out", tmp_path / "t2"]
+    assert_one_line_error(*run_cli(capsys, *args), "latin.txt", "line 1", "UTF-8")
+
+    args = ["init", "--tokenizer", wordpiece_dir, "--out", tmp_path / "m1", "--model.preset=gigantic"]
+    assert_one_line_error(*run_cli(capsys, *args), "unknown preset 'gigantic'", "model.preset")
+
+    args = ["init", "--tokenizer", wordpiece_dir, "--out", tmp_path / "m2", "--model.hiden_size=64"]
+    assert_one_line_error(*run_cli(capsys, *args), "unknown config key 'model.hiden_size'")
+
+    args = ["init", "--tokenizer", wordpiece_dir, "--out", tmp_path / "m3", "--model.vocab_size=100"]
+    assert_one_line_error(*run_cli(capsys, *args), "model.vocab_size", "700")
+
+    assert_one_line_error(*run_cli(capsys, "fill-mask", "--model", folder, "no mask here"), "no [MASK] in")
+    assert not any((tmp_path / n).exists() for n in ("t1", "t2", "m1", "m2", "m3"))
+
+
+def test_predict_names_a_missing_column(tmp_path, wordpiece_dir, capsys):
+    folder = save_hf_model(BertForSequenceClassification, "bert", wordpiece_dir, tmp_path / "hf", num_labels=1)
+    data = tmp_path / "d.csv"
+    _write_table(data, [("a", "text")])
+    args = ["predict", "--model", folder, "--data", data, "--text-column", "text", "--out", tmp_path / "p.csv"]
+    assert_one_line_error(*run_cli(capsys, *args), "d.csv", "no column 'text'", "excerpt")
+    assert not (tmp_path / "p.csv").exists()
+
+
+def test_console_script_reports_errors_without_traceback(tmp_path):
+    exe = os.path.join(os.path.dirname(sys.executable), "bertforge")
+    proc = subprocess.run(
+        [exe, "tokenizer", "train", "--files", str(tmp_path / "absent.txt"), "--out", str(tmp_path / "o")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert_one_line_error(proc.returncode, proc.stdout, proc.stderr, "absent.txt: no such file")
+
+
+def test_python_api_returns_what_the_cli_writes(wordpiece_dir, tmp_path, capsys):
+    import bertforge
+
+    folder = save_hf_model(BertForSequenceClassification, "bert", wordpiece_dir, tmp_path / "hf", num_labels=1)
+    texts = ["The river city had a music school.", "Short!"]
+    data = tmp_path / "d.csv"
+    _write_table(data, list(enumerate(texts)))
+    code, _, err = run_cli(
+        capsys, "predict", "--model", folder, "--data", data, "--text-column", "excerpt", "--out", tmp_path / "p.csv"
+    )
+    assert code == 0, err
+    with open(tmp_path / "p.csv", newline="") as fh:
+        written = [float(r["prediction"]) for r in csv.DictReader(fh)]
+    api = bertforge.predict(str(folder), texts)
+    assert api.shape == (2, 1)
+    np.testing.assert_allclose(api[:, 0], written, rtol=1e-6)
+    mlm = save_hf_model(BertForMaskedLM, "bert", wordpiece_dir, tmp_path / "mlm")
+    assert len(bertforge.fill_mask(str(mlm), "the [MASK] city", top_k=2)[0][0]) == 2

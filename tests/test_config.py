@@ -1,0 +1,101 @@
+"""Configs: YAML + dotted overrides into frozen dataclasses, with errors that name the key."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from bertforge.config import from_dict, load_config, parse_overrides
+from bertforge.errors import UserError
+from bertforge.model.bert import ModelConfig
+from bertforge.model.presets import PRESETS
+from bertforge.tasks.init import InitConfig
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+SCHEMAS = {"init": InitConfig}  # configs/<stage>/*.yaml -> the stage's config class
+
+
+def shipped_configs():
+    return sorted(CONFIGS.glob("*/*.yaml"))
+
+
+def test_every_shipped_yaml_parses():
+    files = shipped_configs()
+    assert files, "no configs shipped"
+    for path in files:
+        cfg = load_config(SCHEMAS[path.parent.name], path)
+        assert dataclasses.is_dataclass(cfg)
+
+
+def test_presets_have_the_published_sizes():
+    sizes = {name: (c.num_layers, c.hidden_size) for name, c in PRESETS.items()}
+    assert sizes == {
+        "test": (2, 32),
+        "tiny": (2, 128),
+        "mini": (4, 256),
+        "small": (4, 512),
+        "medium": (8, 512),
+        "base": (12, 768),
+        "large": (24, 1024),
+    }
+    assert PRESETS["base"].num_params() == pytest.approx(110e6, rel=0.02)  # BERT-base's 110M
+    assert PRESETS["large"].num_params() == pytest.approx(335e6, rel=0.02)  # BERT-large's 335M
+
+
+def test_yaml_preset_and_dotted_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("model:\n  preset: mini\n  hidden_dropout: 0.0\nhead: sequence\n")
+    cfg = load_config(InitConfig, path, ["--model.num_layers=2", "--num_labels", "3", "--model.dtype=bfloat16"])
+    assert cfg.model == dataclasses.replace(PRESETS["mini"], num_layers=2, hidden_dropout=0.0, dtype="bfloat16")
+    assert (cfg.head, cfg.num_labels) == ("sequence", 3)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.model.num_layers = 5  # type: ignore[misc]
+
+
+def test_roberta_flavor_takes_roberta_conventions():
+    cfg = from_dict(InitConfig, {"model": {"preset": "mini", "flavor": "roberta"}})
+    assert (cfg.model.pad_token_id, cfg.model.type_vocab_size, cfg.model.max_position_embeddings) == (1, 1, 514)
+    assert cfg.model.max_seq_len == 512
+
+
+def test_unknown_key_is_named_with_a_suggestion():
+    with pytest.raises(UserError, match=r"unknown config key 'model.num_layer' \(did you mean 'model.num_layers'\?\)"):
+        from_dict(InitConfig, {"model": {"num_layer": 3}})
+    with pytest.raises(UserError, match=r"unknown config key 'bogus'"):
+        from_dict(InitConfig, parse_overrides(["--bogus=1"]))
+
+
+def test_wrong_type_is_named():
+    with pytest.raises(UserError, match=r"config key 'model.num_layers': expected an integer, got 'four'"):
+        from_dict(InitConfig, {"model": {"num_layers": "four"}})
+    with pytest.raises(UserError, match=r"config key 'model.hidden_dropout': expected a number, got True"):
+        from_dict(InitConfig, {"model": {"hidden_dropout": True}})
+    with pytest.raises(UserError, match=r"config key 'head': 'lm' is not one of 'mlm', 'sequence'"):
+        from_dict(InitConfig, {"head": "lm"})
+
+
+def test_invalid_values_are_named():
+    with pytest.raises(UserError, match=r"hidden_size 100 is not divisible by num_heads 3"):
+        from_dict(ModelConfig, {"hidden_size": 100, "num_heads": 3})
+
+
+def test_unknown_preset_lists_the_known_ones():
+    with pytest.raises(
+        UserError, match=r"unknown preset 'huge' for config key 'model.preset' \(choose from test, tiny"
+    ):
+        from_dict(InitConfig, {"model": {"preset": "huge"}})
+
+
+def test_yaml_errors_name_the_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed\n")
+    with pytest.raises(UserError, match=r"bad.yaml: line \d+ is not valid YAML"):
+        load_config(InitConfig, bad)
+    wrong = tmp_path / "wrong.yaml"
+    wrong.write_text("model:\n  preset: mini\n  layers: 3\n")
+    with pytest.raises(UserError, match=r"wrong.yaml: unknown config key 'model.layers'"):
+        load_config(InitConfig, wrong)
+    with pytest.raises(UserError, match=r"missing.yaml: no such config file"):
+        load_config(InitConfig, tmp_path / "missing.yaml")
