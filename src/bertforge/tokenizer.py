@@ -25,7 +25,7 @@ from tokenizers import (
 )
 
 from bertforge.errors import UserError
-from bertforge.fileio import write_atomic
+from bertforge.fileio import read_json_object, write_atomic
 
 TRUNCATIONS = ("head", "tail", "head+tail")
 KINDS = ("wordpiece", "unigram", "bpe")
@@ -396,10 +396,8 @@ class BertTokenizer:
     def load(cls, folder: str | Path) -> BertTokenizer:
         """Load from a folder with tokenizer.json (or a BERT vocab.txt); special tokens from tokenizer_config.json."""
         folder = Path(folder)
-        config = _read_json(folder / "tokenizer_config.json") if (folder / "tokenizer_config.json").exists() else {}
-        special_map = (
-            _read_json(folder / "special_tokens_map.json") if (folder / "special_tokens_map.json").exists() else {}
-        )
+        optional = {name: folder / name for name in ("tokenizer_config.json", "special_tokens_map.json")}
+        config, special_map = (read_json_object(p) if p.exists() else {} for p in optional.values())
         if (folder / "tokenizer.json").exists():
             try:
                 tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
@@ -414,16 +412,6 @@ class BertTokenizer:
         max_len = max_len if isinstance(max_len, int) and max_len < 10**9 else 512
         keep = {k: v for k, v in config.items() if k in ("clean_up_tokenization_spaces",)}
         return cls(tok, specials, config.get("do_lower_case"), max_len, keep)
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise UserError(f"{path}: not valid JSON") from None
-    if not isinstance(data, dict):
-        raise UserError(f"{path}: expected a JSON object")
-    return data
 
 
 def _token_str(value: Any) -> str | None:

@@ -21,7 +21,7 @@ from safetensors import safe_open
 from safetensors.numpy import save as safetensors_bytes
 
 from bertforge.errors import UserError
-from bertforge.fileio import write_atomic
+from bertforge.fileio import read_json_object, write_atomic
 from bertforge.model.bert import ACTIVATIONS, MaskedLM, ModelConfig, SequenceClassifier, build
 from bertforge.tokenizer import BertTokenizer
 
@@ -353,13 +353,7 @@ def _read_config(folder: Path) -> dict[str, Any]:
     path = folder / "config.json"
     if not path.exists():
         raise UserError(f"{folder}: no config.json (is this a model folder?)")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise UserError(f"{path}: not valid JSON") from None
-    if not isinstance(data, dict):
-        raise UserError(f"{path}: expected a JSON object")
-    return data
+    return read_json_object(path)
 
 
 def load_pretrained(
