@@ -168,7 +168,7 @@ def test_bad_inputs_get_one_line_errors(wordpiece_dir, corpus, tmp_path, capsys)
     empty = tmp_path / "empty.txt"
     empty.write_text("")
     args = ["tokenizer", "train", "--files", empty, "--vocab-size", 100, "--out", tmp_path / "t1"]
-    assert_one_line_error(*run_cli(capsys, *args), "empty.txt", "empty")
+    assert_one_line_error(*run_cli(capsys, *args), "empty.txt", "no text")
 
     latin = tmp_path / "latin.txt"
     latin.write_bytes("na\xefve\n".encode("latin-1"))

@@ -89,7 +89,7 @@ def test_training_reads_fsspec_urls(tmp_path):
 def test_empty_corpus_is_refused_and_nothing_written(tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_text("\n   \n\n")
-    with pytest.raises(UserError, match=r"empty.txt: the corpus is empty"):
+    with pytest.raises(UserError, match=r"empty.txt: no text in this file"):
         tokenizer.train([str(empty)], "wordpiece", 100, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 

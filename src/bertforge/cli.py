@@ -28,6 +28,41 @@ def _tokenizer_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _preprocess(args: argparse.Namespace) -> int:
+    from bertforge.data import preprocess
+
+    try:
+        cfg = preprocess.PreprocessConfig(
+            tokenizer=args.tokenizer,
+            files=tuple(args.files),
+            out=args.out,
+            seq_len=args.seq_len,
+            mode=args.mode,
+            workers=args.workers,
+            valid_fraction=0.0 if args.valid_files else args.valid_fraction,
+            valid_files=tuple(args.valid_files or ()),
+            shard_size=args.shard_size,
+            input_format=args.input_format,
+            doc_per_line=args.doc_per_line,
+            text_field=args.text_field,
+            seed=args.seed,
+        )
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    m = preprocess.main(cfg)
+    train, valid = m["splits"]["train"], m["splits"]["valid"]
+    stats = m["stats"]
+    rate = m["text_tokens"] / max(stats["seconds"], 1e-9)
+    print(
+        f"{train['sequences']:,} train sequences in {len(train['shards'])} shard(s), "
+        f"{valid['sequences']:,} valid sequences, {m['seq_len']} tokens each ({m['mode']}); "
+        f"{m['text_tokens']:,} text tokens in {stats['seconds']:.1f} s "
+        f"({rate:,.0f} tokens/s), peak memory {stats['peak_memory_mb']:.0f} MB "
+        f"-> {args.out}/manifest.json"
+    )
+    return 0
+
+
 def _init(args: argparse.Namespace, extra: Sequence[str]) -> int:
     from bertforge.config import deep_merge, from_dict, parse_overrides, read_yaml
     from bertforge.tasks import init
@@ -105,6 +140,27 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--min-frequency", type=int, default=2)
     train.add_argument("--max-length", type=int, default=512, help="model_max_length written for transformers")
     train.set_defaults(run=_tokenizer_train)
+
+    pp = sub.add_parser("preprocess", help="tokenize a corpus into fixed-length shards with a manifest")
+    pp.add_argument("--tokenizer", required=True, help="tokenizer folder")
+    pp.add_argument("--files", nargs="+", required=True, help="text, JSONL or Parquet: paths, globs, fsspec URLs")
+    pp.add_argument("--out", required=True, help="folder or fsspec URL for the shards and manifest.json")
+    pp.add_argument("--seq-len", type=int, default=128)
+    pp.add_argument(
+        "--mode",
+        choices=["concat", "complete", "doc"],
+        default="concat",
+        help="concat: cut the joined text; complete: whole sentences; doc: whole sentences of one document",
+    )
+    pp.add_argument("--workers", type=int, default=1, help="tokenizer processes")
+    pp.add_argument("--valid-fraction", type=float, default=0.01, help="share of documents held out")
+    pp.add_argument("--valid-files", nargs="+", help="held-out files instead of --valid-fraction")
+    pp.add_argument("--shard-size", type=int, default=65536, help="sequences per shard")
+    pp.add_argument("--input-format", choices=["auto", "text", "jsonl", "parquet"], default="auto")
+    pp.add_argument("--doc-per-line", action="store_true", help="text: one document per line, not per blank-line block")
+    pp.add_argument("--text-field", default="text", help="JSONL field or Parquet column holding the text")
+    pp.add_argument("--seed", type=int, default=0, help="decides which documents are held out")
+    pp.set_defaults(run=_preprocess)
 
     init = sub.add_parser(
         "init",

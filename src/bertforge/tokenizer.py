@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-import fsspec
 from tokenizers import (
     AddedToken,
     Tokenizer,
@@ -24,6 +23,7 @@ from tokenizers import (
     trainers,
 )
 
+from bertforge.data.documents import expand_files, iter_documents
 from bertforge.errors import UserError
 from bertforge.fileio import read_json_object, write_atomic
 
@@ -51,45 +51,6 @@ def _vocab_order(style: str) -> list[str]:
     if style == "roberta":
         return [s.cls, s.pad, s.sep, s.unk, s.mask]
     return [s.pad, s.unk, s.cls, s.sep, s.mask]
-
-
-# ----------------------------------------------------------------------------------------------------- reading text
-def expand_files(paths: Sequence[str]) -> list[str]:
-    """Local paths, globs or fsspec URLs -> concrete file URLs; a pattern matching nothing is an error."""
-    out: list[str] = []
-    for p in paths:
-        if any(ch in p for ch in "*?["):
-            fs, _, matches = fsspec.get_fs_token_paths(p)
-            if not matches:
-                raise UserError(f"{p}: no file matches this pattern")
-            out.extend(fs.unstrip_protocol(m) if "://" in p else m for m in sorted(matches))
-        else:
-            fs, _, (one,) = fsspec.get_fs_token_paths(p)
-            if not fs.exists(one):
-                raise UserError(f"{p}: no such file")
-            if fs.isdir(one):
-                raise UserError(f"{p}: is a folder, not a text file")
-            out.append(p)
-    return out
-
-
-def iter_lines(path: str) -> Iterator[str]:
-    """Stripped, non-blank lines of a UTF-8 text file (local or fsspec URL); invalid UTF-8 names the line."""
-    try:
-        fh = fsspec.open(path, "rb").open()
-    except (OSError, ValueError) as e:
-        raise UserError(f"{path}: cannot be read ({e})") from None
-    with fh:
-        for lineno, raw in enumerate(fh, 1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise UserError(f"{path}: line {lineno} is not UTF-8 text (byte {e.start} of the line)") from None
-            if lineno == 1:
-                line = line.removeprefix("\ufeff")
-            line = line.strip()
-            if line:
-                yield line
 
 
 # ----------------------------------------------------------------------------------------------------- training
@@ -168,18 +129,8 @@ def train(
         **extra,
         **({} if kind == "unigram" else {"min_frequency": min_frequency}),
     )
-    count = 0
-
-    def corpus() -> Iterator[str]:
-        nonlocal count
-        for path in paths:
-            for line in iter_lines(path):
-                count += 1
-                yield line
-
-    tok.train_from_iterator(corpus(), trainer=trainer)
-    if count == 0:
-        raise UserError(f"{', '.join(files)}: the corpus is empty (no non-blank line)")
+    lines = (line for path in paths for line in iter_documents(path, doc_per_line=True))
+    tok.train_from_iterator(lines, trainer=trainer)
     tok.post_processor = _post_processor(tok, style)
     result = BertTokenizer(tok, STYLES[style], lowercase=lowercase, model_max_length=model_max_length)
     result.save(out)
@@ -308,6 +259,12 @@ class BertTokenizer:
         s_start = 1 if single and single[0][0] else 0
         single_suffix, _ = run(single, s_start + 1, True)
         return _Template(prefix, middle, suffix, single_suffix, prefix_types, middle_types, suffix_types, b_types[0])
+
+    def special_ids(self) -> dict[str, Any]:
+        """The ids of the named special tokens and of every token registered as special (never masked)."""
+        every = sorted(i for i, t in self.tok.get_added_tokens_decoder().items() if t.special)
+        named = {"cls": self.cls_id, "sep": self.sep_id, "pad": self.pad_id, "mask": self.mask_id, "unk": self.unk_id}
+        return {**named, "all": sorted(set(every) | set(named.values()))}
 
     def num_special(self, pair: bool = False) -> int:
         t = self.template

@@ -10,6 +10,7 @@ import jax
 from flax import nnx
 
 from bertforge import tokenizer
+from bertforge.data import preprocess
 from bertforge.data.builtin import write_stdlib_corpus
 from bertforge.model.hf import load_pretrained
 from bertforge.model.presets import preset
@@ -51,6 +52,25 @@ def main(cfg: DemoConfig) -> dict[str, float]:
     pieces = [tok.id_to_token(i) for i in tok.encode(sample).ids]
     print(f"{tok.vocab_size} tokens -> {out / 'tokenizer'}\n{sample!r} ->\n  {' '.join(pieces)}")
     timings["tokenizer"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    step("preprocess: 128-token blocks of whole sentences, 1% of documents held out")
+    shards = preprocess.main(
+        preprocess.PreprocessConfig(
+            tokenizer=str(out / "tokenizer"),
+            files=(str(out / "corpus.txt"),),
+            out=str(out / "shards"),
+            mode="complete",
+            doc_per_line=True,
+        ),
+        progress=False,
+    )
+    train, valid = shards["splits"]["train"], shards["splits"]["valid"]
+    print(
+        f"{shards['text_tokens']:,} tokens -> {train['sequences']:,} train + {valid['sequences']:,} valid "
+        f"sequences -> {out / 'shards'}"
+    )
+    timings["preprocess"] = time.perf_counter() - t
 
     t = time.perf_counter()
     step(f"model: a fresh BERT {cfg.preset}, saved as a Hugging Face folder")

@@ -1,0 +1,383 @@
+"""Corpus -> fixed-length token blocks in .npy shards plus a manifest.json, streamed, with worker processes.
+
+Modes (fairseq's --sample-break-mode, RoBERTa's input formats):
+- concat:   documents joined by [SEP] and cut into full blocks; no token is thrown away.
+- complete: whole sentences packed into blocks, across documents (FULL-SENTENCES); padded.
+- doc:      whole sentences packed into blocks within one document (DOC-SENTENCES); padded.
+Every block is [CLS] content [SEP] [PAD]...; a sentence longer than a block is the one thing ever cut.
+
+The output is deterministic whatever the number of workers. Shards are written under a temporary name and
+renamed, and the manifest is written last: a folder without manifest.json is never taken as finished.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import io
+import json
+import multiprocessing
+import os
+import resource
+import sys
+import time
+import zlib
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import fsspec
+import numpy as np
+from tqdm.auto import tqdm
+
+from bertforge.data.documents import expand_files, iter_documents, split_sentences
+from bertforge.errors import UserError
+from bertforge.tokenizer import BertTokenizer
+
+MODES = ("concat", "complete", "doc")
+MANIFEST = "manifest.json"
+FORMAT = "bertforge-shards/1"
+CHUNK_DOCS = 512  # documents per unit of work sent to a worker
+
+
+@dataclasses.dataclass(frozen=True)
+class PreprocessConfig:
+    tokenizer: str
+    files: tuple[str, ...]
+    out: str
+    seq_len: int = 128
+    mode: str = "concat"
+    workers: int = 1
+    valid_fraction: float = 0.01
+    valid_files: tuple[str, ...] = ()
+    shard_size: int = 65536  # sequences per shard
+    input_format: str = "auto"
+    doc_per_line: bool = False
+    text_field: str = "text"
+    seed: int = 0  # decides which documents go to validation
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode {self.mode!r} is not one of {', '.join(MODES)}")
+        if self.seq_len < 8:
+            raise ValueError(f"seq_len must be at least 8, got {self.seq_len}")
+        if self.workers < 1:
+            raise ValueError(f"workers must be at least 1, got {self.workers}")
+        if not 0.0 <= self.valid_fraction < 1.0:
+            raise ValueError(f"valid_fraction must be in [0, 1), got {self.valid_fraction}")
+        if self.shard_size < 1:
+            raise ValueError(f"shard_size must be at least 1, got {self.shard_size}")
+        if not self.files:
+            raise ValueError("no input files")
+
+
+def tokenizer_fingerprint(tok: BertTokenizer) -> str:
+    """sha256 of the tokenizer's canonical JSON: equal fingerprints tokenize identically."""
+    return hashlib.sha256(tok.tok.to_str().encode("utf-8")).hexdigest()
+
+
+# ------------------------------------------------------------------------------------------------------ workers
+_WORKER_TOKENIZER: BertTokenizer | None = None
+
+
+def _init_worker(tokenizer_dir: str) -> None:
+    global _WORKER_TOKENIZER
+    os.environ["RAYON_NUM_THREADS"] = "1"  # one process per core: no thread pool inside each
+    _WORKER_TOKENIZER = BertTokenizer.load(tokenizer_dir)
+
+
+def tokenize_chunk(docs: Sequence[str], by_sentence: bool, tok: BertTokenizer | None = None) -> list[list[np.ndarray]]:
+    """Each document as a list of token-id arrays: one per sentence, or one for the whole document."""
+    tok = tok or _WORKER_TOKENIZER
+    assert tok is not None
+    if not by_sentence:
+        return [[np.asarray(ids, np.int32)] for ids in tok.tokenize_ids(docs)]
+    sentences = [split_sentences(d) for d in docs]
+    flat = tok.tokenize_ids([s for doc in sentences for s in doc])
+    out, i = [], 0
+    for doc in sentences:
+        out.append([np.asarray(ids, np.int32) for ids in flat[i : i + len(doc)] if ids])
+        i += len(doc)
+    return out
+
+
+def _ordered_map(fn, chunks: Iterable[Any], workers: int, tokenizer_dir: str, tok: BertTokenizer) -> Iterator[Any]:
+    """fn over chunks in order, on `workers` processes, with a bounded number of chunks in flight."""
+    if workers == 1:
+        for chunk in chunks:
+            yield chunk, fn(chunk, tok)
+        return
+    ctx = multiprocessing.get_context("spawn")  # a fork after the tokenizer's thread pool started can deadlock
+    with ctx.Pool(workers, initializer=_init_worker, initargs=(tokenizer_dir,)) as pool:
+        pending: collections.deque = collections.deque()
+        for chunk in chunks:
+            pending.append((chunk, pool.apply_async(fn, (chunk,))))
+            if len(pending) >= 2 * workers:
+                c, r = pending.popleft()
+                yield c, r.get()
+        while pending:
+            c, r = pending.popleft()
+            yield c, r.get()
+
+
+# ------------------------------------------------------------------------------------------------------ packing
+class Packer:
+    """Turns token-id arrays into rows [CLS] content [SEP] [PAD]... of exactly seq_len tokens."""
+
+    def __init__(self, seq_len: int, mode: str, cls_id: int, sep_id: int, pad_id: int):
+        self.width = seq_len - 2  # content tokens per row
+        self.seq_len, self.mode = seq_len, mode
+        self.cls_id, self.sep_id, self.pad_id = cls_id, sep_id, pad_id
+        self.buffer: list[np.ndarray] = []
+        self.buffered = 0
+        self.split_sentences = 0  # sentences longer than a row, which had to be cut
+
+    def _row(self, content: np.ndarray) -> np.ndarray:
+        row = np.full(self.seq_len, self.pad_id, np.int32)
+        row[0] = self.cls_id
+        row[1 : 1 + len(content)] = content
+        row[1 + len(content)] = self.sep_id
+        return row
+
+    def _emit(self) -> list[np.ndarray]:
+        if not self.buffered:
+            return []
+        content = np.concatenate(self.buffer)
+        self.buffer, self.buffered = [], 0
+        return [self._row(content)]
+
+    def add_document(self, pieces: list[np.ndarray]) -> list[np.ndarray]:
+        """Rows completed by this document (a document's pieces are sentences, or the whole text)."""
+        if not pieces:
+            return []
+        if self.mode == "concat":
+            return self._add_concat(np.concatenate([*pieces, [self.sep_id]]).astype(np.int32))
+        rows: list[np.ndarray] = []
+        if self.mode == "doc":
+            rows += self._emit()
+        new_document = True  # complete: a document that continues a row starts after a [SEP]
+        for sentence in pieces:
+            if len(sentence) > self.width:
+                self.split_sentences += 1
+                rows += self._emit()
+                for start in range(0, len(sentence), self.width):
+                    part = sentence[start : start + self.width]
+                    if len(part) == self.width:
+                        rows.append(self._row(part))
+                    else:
+                        self.buffer, self.buffered = [part], len(part)
+                new_document = False
+                continue
+            sep = [np.array([self.sep_id], np.int32)] if new_document and self.buffered else []
+            if self.buffered + len(sep) + len(sentence) > self.width:
+                rows += self._emit()
+                sep = []
+            self.buffer.extend([*sep, sentence])
+            self.buffered += len(sep) + len(sentence)
+            new_document = False
+        if self.mode == "doc":
+            rows += self._emit()
+        return rows
+
+    def _add_concat(self, ids: np.ndarray) -> list[np.ndarray]:
+        self.buffer.append(ids)
+        self.buffered += len(ids)
+        if self.buffered < self.width:
+            return []
+        stream = np.concatenate(self.buffer)
+        n_full = len(stream) // self.width
+        rows = [self._row(stream[i * self.width : (i + 1) * self.width]) for i in range(n_full)]
+        rest = stream[n_full * self.width :]
+        self.buffer, self.buffered = ([rest], len(rest)) if len(rest) else ([], 0)
+        return rows
+
+    def finish(self) -> list[np.ndarray]:
+        return self._emit()
+
+
+# ------------------------------------------------------------------------------------------------------ writing
+class ShardWriter:
+    """Rows -> `<split>-NNNNN.npy` shards of `shard_size` rows, each written whole under a temporary name."""
+
+    def __init__(self, fs: fsspec.AbstractFileSystem, root: str, split: str, shard_size: int, dtype: np.dtype):
+        self.fs, self.root, self.split = fs, root, split
+        self.shard_size, self.dtype = shard_size, dtype
+        self.rows: list[np.ndarray] = []
+        self.shards: list[dict[str, Any]] = []
+        self.pad_tokens = 0
+
+    def add(self, rows: list[np.ndarray]) -> None:
+        self.rows.extend(rows)
+        while len(self.rows) >= self.shard_size:
+            self._write(self.rows[: self.shard_size])
+            self.rows = self.rows[self.shard_size :]
+
+    def _write(self, rows: list[np.ndarray]) -> None:
+        array = np.stack(rows).astype(self.dtype)
+        buf = io.BytesIO()
+        np.save(buf, array, allow_pickle=False)
+        data = buf.getvalue()
+        name = f"{self.split}-{len(self.shards):05d}.npy"
+        path = f"{self.root}/{name}"
+        tmp = f"{self.root}/.{name}.tmp"
+        with self.fs.open(tmp, "wb") as fh:
+            fh.write(data)
+        self.fs.mv(tmp, path)
+        self.shards.append(
+            {
+                "path": name,
+                "sequences": int(array.shape[0]),
+                "tokens": int(array.size),
+                "sha256": hashlib.sha256(data).hexdigest(),
+            }
+        )
+
+    def close(self, pad_id: int) -> dict[str, Any]:
+        if self.rows:
+            self._write(self.rows)
+            self.rows = []
+        return {
+            "sequences": sum(s["sequences"] for s in self.shards),
+            "tokens": sum(s["tokens"] for s in self.shards),
+            "shards": self.shards,
+        }
+
+
+def _is_valid_doc(index: int, seed: int, fraction: float) -> bool:
+    # A stable hash of the document's position: the same split on every run and for any number of workers.
+    return fraction > 0 and zlib.crc32(f"{seed}:{index}".encode()) / 2**32 < fraction
+
+
+def _chunks(docs: Iterator[str], size: int) -> Iterator[list[str]]:
+    chunk: list[str] = []
+    for doc in docs:
+        chunk.append(doc)
+        if len(chunk) == size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def _size(path: str) -> int:
+    fs, _, (p,) = fsspec.get_fs_token_paths(path)
+    try:
+        return int(fs.size(p) or 0)
+    except (OSError, TypeError):
+        return 0  # unknown size: the progress bar shows bytes without a total
+
+
+def _peak_memory_mb() -> float:
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    return (own + children) / 1024  # ru_maxrss is in KiB on Linux
+
+
+def read_manifest(root: str) -> dict[str, Any] | None:
+    fs, _, (path,) = fsspec.get_fs_token_paths(root)
+    manifest = f"{path.rstrip('/')}/{MANIFEST}"
+    if not fs.exists(manifest):
+        return None
+    with fs.open(manifest, "rb") as fh:
+        try:
+            data = json.loads(fh.read().decode("utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise UserError(f"{root}/{MANIFEST}: not valid JSON") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise UserError(f"{root}/{MANIFEST}: not a bertforge shard manifest ({FORMAT})")
+    return data
+
+
+def main(cfg: PreprocessConfig, progress: bool | None = None) -> dict[str, Any]:
+    """Preprocess `cfg.files` into shards under `cfg.out`; returns the manifest."""
+    tok = BertTokenizer.load(cfg.tokenizer)
+    if cfg.seq_len > tok.model_max_length:
+        raise UserError(
+            f"--seq-len {cfg.seq_len} is longer than the tokenizer's model_max_length {tok.model_max_length} "
+            f"({cfg.tokenizer}/tokenizer_config.json)"
+        )
+    train_files = expand_files(cfg.files)
+    valid_files = expand_files(cfg.valid_files) if cfg.valid_files else []
+    settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("workers",)}
+    settings["files"], settings["valid_files"] = train_files, valid_files
+    fingerprint = tokenizer_fingerprint(tok)
+
+    existing = read_manifest(cfg.out)
+    if existing is not None:
+        if existing.get("settings") == settings and existing.get("tokenizer_sha256") == fingerprint:
+            print(f"{cfg.out} already holds these shards (manifest.json); nothing to do", file=sys.stderr)
+            return existing
+        raise UserError(f"{cfg.out}: already holds shards made with other settings; choose another --out")
+
+    fs, _, (root,) = fsspec.get_fs_token_paths(cfg.out)
+    root = root.rstrip("/")
+    fs.makedirs(root, exist_ok=True)
+    dtype = np.dtype(np.uint16 if tok.vocab_size <= 2**16 else np.int32)
+    writers = {split: ShardWriter(fs, root, split, cfg.shard_size, dtype) for split in ("train", "valid")}
+    packers = {split: Packer(cfg.seq_len, cfg.mode, tok.cls_id, tok.sep_id, tok.pad_id) for split in writers}
+    total_bytes = sum(_size(f) for f in train_files + valid_files)
+
+    def labelled() -> Iterator[tuple[str, str]]:
+        index = 0
+        for path in train_files:
+            for doc in iter_documents(path, cfg.input_format, cfg.doc_per_line, cfg.text_field):
+                split = "valid" if not valid_files and _is_valid_doc(index, cfg.seed, cfg.valid_fraction) else "train"
+                index += 1
+                yield split, doc
+        for path in valid_files:
+            for doc in iter_documents(path, cfg.input_format, cfg.doc_per_line, cfg.text_field):
+                yield "valid", doc
+
+    def chunks() -> Iterator[list[tuple[str, str]]]:
+        yield from _chunks(labelled(), CHUNK_DOCS)
+
+    by_sentence = cfg.mode != "concat"
+    show = sys.stderr.isatty() if progress is None else progress
+    bar = tqdm(total=total_bytes or None, unit="B", unit_scale=True, desc="preprocess", disable=not show)
+    start = time.perf_counter()
+    text_tokens = 0
+    documents = collections.Counter()
+    fn = _work_by_sentence if by_sentence else _work_whole
+    for chunk, tokenized in _ordered_map(fn, chunks(), cfg.workers, cfg.tokenizer, tok):
+        for (split, doc), pieces in zip(chunk, tokenized, strict=True):
+            documents[split] += 1
+            text_tokens += sum(len(p) for p in pieces)
+            writers[split].add(packers[split].add_document(pieces))
+            bar.update(len(doc.encode("utf-8")))
+        bar.set_postfix(tokens_per_s=f"{text_tokens / max(time.perf_counter() - start, 1e-9):,.0f}")
+    bar.close()
+    splits = {}
+    for split, writer in writers.items():
+        writer.add(packers[split].finish())
+        splits[split] = writer.close(tok.pad_id)
+        splits[split]["documents"] = documents[split]
+        splits[split]["split_sentences"] = packers[split].split_sentences
+    if splits["train"]["sequences"] == 0:
+        raise UserError(f"{', '.join(cfg.files)}: no training text (every document went to validation)")
+    seconds = time.perf_counter() - start
+    manifest = {
+        "format": FORMAT,
+        "tokenizer_sha256": fingerprint,
+        "vocab_size": tok.vocab_size,
+        "special_ids": tok.special_ids(),
+        "seq_len": cfg.seq_len,
+        "mode": cfg.mode,
+        "dtype": dtype.name,
+        "splits": splits,
+        "text_tokens": text_tokens,
+        "settings": settings,
+        "stats": {"seconds": round(seconds, 3), "peak_memory_mb": round(_peak_memory_mb(), 1)},
+    }
+    tmp = f"{root}/.{MANIFEST}.tmp"
+    with fs.open(tmp, "wb") as fh:
+        fh.write((json.dumps(manifest, indent=2) + "\n").encode("utf-8"))
+    fs.mv(tmp, f"{root}/{MANIFEST}")
+    return manifest
+
+
+def _work_whole(chunk: list[tuple[str, str]], tok: BertTokenizer | None = None) -> list[list[np.ndarray]]:
+    return tokenize_chunk([d for _, d in chunk], False, tok)
+
+
+def _work_by_sentence(chunk: list[tuple[str, str]], tok: BertTokenizer | None = None) -> list[list[np.ndarray]]:
+    return tokenize_chunk([d for _, d in chunk], True, tok)
