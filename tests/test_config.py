@@ -12,9 +12,10 @@ from bertforge.errors import UserError
 from bertforge.model.bert import ModelConfig
 from bertforge.model.presets import PRESETS
 from bertforge.tasks.init import InitConfig
+from bertforge.tasks.pretrain import PretrainConfig
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
-SCHEMAS = {"init": InitConfig}  # configs/<stage>/*.yaml -> the stage's config class
+SCHEMAS = {"init": InitConfig, "pretrain": PretrainConfig}  # configs/<stage>/*.yaml -> the stage's config class
 
 
 def shipped_configs():
@@ -52,6 +53,14 @@ def test_yaml_preset_and_dotted_overrides(tmp_path):
     assert (cfg.head, cfg.num_labels) == ("sequence", 3)
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.model.num_layers = 5  # type: ignore[misc]
+
+
+def test_exponents_without_a_dot_are_numbers():
+    from bertforge.train.optim import OptimConfig
+
+    assert from_dict(OptimConfig, parse_overrides(["--lr=3e-4"])).lr == 3e-4
+    with pytest.raises(UserError, match=r"config key 'lr': expected a number, got 'fast'"):
+        from_dict(OptimConfig, {"lr": "fast"})
 
 
 def test_roberta_flavor_takes_roberta_conventions():

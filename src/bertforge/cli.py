@@ -75,6 +75,40 @@ def _init(args: argparse.Namespace, extra: Sequence[str]) -> int:
     return 0
 
 
+def _pretrain(args: argparse.Namespace, extra: Sequence[str]) -> int:
+    from bertforge.config import deep_merge, from_dict, parse_overrides, read_yaml
+    from bertforge.tasks import pretrain
+    from bertforge.train.loop import Preempted
+
+    data = deep_merge(read_yaml(args.config) if args.config else {}, parse_overrides(extra))
+    data.setdefault("data", {})
+    if args.data:
+        data["data"]["shards"] = args.data
+    if args.tokenizer:
+        data["data"]["tokenizer"] = args.tokenizer
+    try:
+        cfg = from_dict(pretrain.PretrainConfig, data)
+    except UserError as e:
+        raise UserError(f"{args.config}: {e}" if args.config else str(e)) from None
+    vocab_given = "vocab_size" in (data.get("model") or {})
+    try:
+        last = pretrain.main(cfg, args.out, resume=args.resume, vocab_given=vocab_given)
+    except Preempted as e:
+        print(f"{e}; checkpoint saved; run the same command to continue", file=sys.stderr)
+        return 143
+    shown = ", ".join(f"{k} {last[k]:.4g}" for k in ("loss", "valid_loss", "valid_accuracy") if k in last)
+    print(f"pretrained {last['step']} steps ({shown}) -> {args.out}")
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from bertforge.tasks import export
+
+    out = export.main(args.run_dir, args.out, args.step)
+    print(f"exported {args.run_dir} ({args.step}) -> {out}")
+    return 0
+
+
 def _fill_mask(args: argparse.Namespace) -> int:
     from bertforge.tasks.infer import FillMaskConfig, fill_mask_main
 
@@ -161,6 +195,24 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--text-field", default="text", help="JSONL field or Parquet column holding the text")
     pp.add_argument("--seed", type=int, default=0, help="decides which documents are held out")
     pp.set_defaults(run=_preprocess)
+
+    pt = sub.add_parser(
+        "pretrain",
+        help="masked-LM pretraining from scratch; the same command again resumes",
+        description="Overrides such as --train.max_steps=1000 --optim.lr=1e-3 follow the flags.",
+    )
+    pt.add_argument("--config", help="YAML (configs/pretrain/*.yaml)")
+    pt.add_argument("--data", help="shard folder made by `bertforge preprocess`")
+    pt.add_argument("--tokenizer", help="tokenizer folder (default: the one the shards were made with)")
+    pt.add_argument("--out", required=True, help="run folder: checkpoints, metrics, logs")
+    pt.add_argument("--resume", default="auto", help="auto (default), never, or a checkpoint folder")
+    pt.set_defaults(run=_pretrain, takes_overrides=True)
+
+    ex = sub.add_parser("export", help="a run's weights as a Hugging Face folder")
+    ex.add_argument("run_dir", metavar="RUN", help="run folder")
+    ex.add_argument("--out", required=True)
+    ex.add_argument("--step", default="latest", help="latest (default), best, or a step number")
+    ex.set_defaults(run=_export)
 
     init = sub.add_parser(
         "init",

@@ -74,6 +74,12 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
             raise UserError(f"config key '{key}': expected an integer, got {value!r}")
         return value
     if tp is float:
+        if isinstance(value, str):
+            # YAML 1.1 reads 1e-3 (no dot) as a string; take it as the number it is meant to be.
+            try:
+                return float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise UserError(f"config key '{key}': expected a number, got {value!r}")
         return float(value)

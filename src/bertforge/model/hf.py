@@ -371,6 +371,12 @@ def load_pretrained(
     checkpoint without that head's weights is an error; otherwise the head starts fresh and is listed.
     """
     folder = resolve(name)
+    from bertforge.tasks.export import is_run, load_run
+
+    if is_run(folder):
+        if head not in (None, "mlm"):
+            raise UserError(f"{folder}: a pretraining run has a masked-LM head; export it first")
+        return load_run(folder)
     data = _read_config(folder)
     source = str(folder / "config.json")
     cfg, info = config_from_hf(data, source)

@@ -1,0 +1,1 @@
+"""Throughput, FLOPs and MFU."""

@@ -1,0 +1,391 @@
+"""`bertforge pretrain`: masked-LM pretraining from scratch on preprocessed shards, resumable at any point.
+
+The same command run again continues from the newest complete checkpoint, with the same data order, masks and
+dropout, as if it had never stopped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import shutil
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import yaml
+from flax import nnx
+
+from bertforge.bench.flops import device_peak_flops, train_flops_per_token
+from bertforge.config import to_dict
+from bertforge.data.masking import MaskingSpec, continuation_table
+from bertforge.data.shards import BatchLoader, Shards
+from bertforge.errors import UserError
+from bertforge.model.bert import ModelConfig, build
+from bertforge.model.presets import preset
+from bertforge.parallel import batch_sharding, make_mesh, param_shardings
+from bertforge.tasks.export import RUN_FILE
+from bertforge.tasks.init import fit_to_tokenizer
+from bertforge.tokenizer import BertTokenizer
+from bertforge.train import loop
+from bertforge.train.checkpoint import Checkpoints, RunLock
+from bertforge.train.logging import MetricsLog
+from bertforge.train.optim import OptimConfig, learning_rate, make_optimizer, warmup_fraction
+from bertforge.train.step import StepConfig, TrainState, eval_sums, prediction_capacity, train_step
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    shards: str = ""
+    tokenizer: str = ""  # default: the tokenizer the shards were made with
+    seed: int = 0  # data order
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    global_batch: int = 32
+    grad_accum: int = 1
+    max_steps: int | None = None
+    max_epochs: float | None = None
+    max_tokens: int | None = None
+    time_budget_minutes: float | None = None
+    seed: int = 0  # parameters, masks, dropout
+    sparse_head: bool = True  # vocabulary projection only at masked positions
+
+    def __post_init__(self) -> None:
+        if self.global_batch < 1 or self.grad_accum < 1:
+            raise ValueError("global_batch and grad_accum must be positive")
+        if self.global_batch % self.grad_accum:
+            raise ValueError(f"global_batch {self.global_batch} is not divisible by grad_accum {self.grad_accum}")
+
+
+@dataclasses.dataclass(frozen=True)
+class MlmConfig:
+    rate: float = 0.15
+    mask_fraction: float = 0.8
+    random_fraction: float = 0.1
+    whole_word: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+    num_devices: int = 0  # 0: every device of every host
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    every: int = 200
+    max_batches: int | None = None  # None: the whole validation split
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = 200
+    keep_last: int = 2
+    keep_best: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class LogConfig:
+    every: int = 10
+    tensorboard: bool = True
+    wandb: bool = False
+    wandb_project: str = "bertforge"
+    progress: bool | None = None  # None: a bar when stderr is a terminal
+
+
+@dataclasses.dataclass(frozen=True)
+class PretrainConfig:
+    model: ModelConfig = dataclasses.field(default_factory=lambda: preset("mini"))
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    mlm: MlmConfig = dataclasses.field(default_factory=MlmConfig)
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    log: LogConfig = dataclasses.field(default_factory=LogConfig)
+
+
+# ------------------------------------------------------------------------------------------------------ set-up
+def _suggest_batches(batch: int, multiple: int) -> str:
+    lower = max(multiple, batch // multiple * multiple)
+    return f"{lower} or {lower + multiple}"
+
+
+def _mesh(cfg: PretrainConfig) -> jax.sharding.Mesh:
+    devices = jax.devices()
+    if cfg.mesh.num_devices:
+        if cfg.mesh.num_devices > len(devices):
+            raise UserError(f"mesh.num_devices={cfg.mesh.num_devices} but there are {len(devices)} devices")
+        devices = devices[: cfg.mesh.num_devices]
+    try:
+        mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices)
+    except ValueError as e:
+        raise UserError(f"config 'mesh': {e}") from None
+    shards = mesh.shape["data"] * mesh.shape["fsdp"]
+    micro = cfg.train.global_batch // cfg.train.grad_accum
+    if micro % shards:
+        raise UserError(
+            f"train.global_batch={cfg.train.global_batch} with train.grad_accum={cfg.train.grad_accum} gives "
+            f"micro-batches of {micro}, which do not split over {shards} devices (mesh data x fsdp); use "
+            f"global_batch {_suggest_batches(cfg.train.global_batch, shards * cfg.train.grad_accum)}"
+        )
+    return mesh
+
+
+def total_steps(cfg: TrainConfig, batches_per_epoch: int, seq_len: int) -> int | None:
+    options = []
+    if cfg.max_steps is not None:
+        options.append(cfg.max_steps)
+    if cfg.max_epochs is not None:
+        options.append(max(1, int(round(cfg.max_epochs * batches_per_epoch))))
+    if cfg.max_tokens is not None:
+        options.append(max(1, cfg.max_tokens // (cfg.global_batch * seq_len)))
+    return min(options) if options else None
+
+
+def _masking_spec(cfg: PretrainConfig, tokenizer: BertTokenizer, special: dict[str, Any], vocab: int) -> MaskingSpec:
+    continues = ()
+    if cfg.mlm.whole_word:
+        continues = continuation_table(tokenizer.tok.get_vocab(with_added_tokens=True), vocab)
+    return MaskingSpec(
+        mask_id=int(special["mask"]),
+        vocab_size=tokenizer.vocab_size,
+        special_ids=tuple(int(i) for i in special["all"]),
+        rate=cfg.mlm.rate,
+        mask_fraction=cfg.mlm.mask_fraction,
+        random_fraction=cfg.mlm.random_fraction,
+        continues_word=continues,
+    )
+
+
+def _copy_tokenizer(src: str, dst: Path) -> None:
+    dst.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt"):
+        if (Path(src) / name).exists():
+            shutil.copyfile(Path(src) / name, dst / name)
+
+
+def _evaluate(eval_fn: Any, params: Any, valid: Shards, cfg: PretrainConfig, mesh: Any) -> dict[str, float]:
+    """Masked-LM loss, perplexity and accuracy over the validation split, with masks fixed across evaluations."""
+    b = cfg.train.global_batch
+    n_batches = math.ceil(valid.num_sequences / b)
+    if cfg.eval.max_batches is not None:
+        n_batches = min(n_batches, cfg.eval.max_batches)
+    sharding = batch_sharding(mesh)
+    key = jax.random.key(cfg.train.seed + 1_000_003)
+    local = b // jax.process_count()
+    totals = jnp.zeros(3)
+    for i in range(n_batches):
+        rows = np.arange(i * b, min((i + 1) * b, valid.num_sequences))
+        ids = np.full((b, valid.seq_len), valid.pad_id, np.int32)  # the last batch is padded: nothing to predict
+        ids[: len(rows)] = valid.rows(rows)
+        part = ids[jax.process_index() * local : (jax.process_index() + 1) * local]
+        batch = jax.make_array_from_process_local_data(sharding, part, ids.shape)
+        totals = totals + eval_fn(params, batch, jax.random.fold_in(key, i))
+    loss_sum, correct, count = (float(x) for x in jax.device_get(totals))
+    loss = loss_sum / max(count, 1)
+    return {"valid_loss": loss, "valid_perplexity": math.exp(min(loss, 50)), "valid_accuracy": correct / max(count, 1)}
+
+
+# ------------------------------------------------------------------------------------------------------ main
+def main(cfg: PretrainConfig, out: str, resume: str = "auto", vocab_given: bool = False) -> dict[str, Any]:
+    """Pretrain; returns the last logged metrics. Raises loop.Preempted after saving when SIGTERM arrives."""
+    run_dir = Path(out)
+    if not cfg.data.shards:
+        raise UserError("no shards given (--data SHARDS or data.shards in the config)")
+    lock = RunLock(run_dir) if jax.process_index() == 0 else None
+    if lock is not None:
+        lock.acquire()
+    try:
+        return _main(cfg, run_dir, resume, vocab_given)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _main(cfg: PretrainConfig, run_dir: Path, resume: str, vocab_given: bool) -> dict[str, Any]:
+    train_shards = Shards(cfg.data.shards, "train")
+    manifest = train_shards.manifest
+    tokenizer_dir = cfg.data.tokenizer or manifest["settings"]["tokenizer"]
+    run_tokenizer = run_dir / "tokenizer"
+    if not cfg.data.tokenizer and (run_tokenizer / "tokenizer.json").exists():
+        tokenizer_dir = str(run_tokenizer)  # a resumed run uses its own copy
+    tokenizer = BertTokenizer.load(tokenizer_dir)
+    train_shards.check_tokenizer(tokenizer, tokenizer_dir)
+    model_cfg = fit_to_tokenizer(cfg.model, tokenizer, vocab_given)
+    train_shards.check_model(model_cfg.max_seq_len, model_cfg.vocab_size, "the model (model.max_position_embeddings)")
+    valid_shards = Shards(cfg.data.shards, "valid")
+    if valid_shards.num_sequences == 0:
+        valid_shards = None
+    cfg = dataclasses.replace(cfg, model=model_cfg)
+
+    mesh = _mesh(cfg)
+    loader = BatchLoader(train_shards, cfg.train.global_batch, seed=cfg.data.seed, sharding=batch_sharding(mesh))
+    seq_len = train_shards.seq_len
+    steps = total_steps(cfg.train, loader.batches_per_epoch, seq_len)
+    seconds = cfg.train.time_budget_minutes * 60 if cfg.train.time_budget_minutes else None
+    if steps is None and seconds is None:
+        raise UserError(
+            "no budget: set train.max_steps, train.max_epochs, train.max_tokens or train.time_budget_minutes"
+        )
+    budget = loop.Budget(max_steps=steps, seconds=seconds)
+
+    # Model, optimizer and state, laid out on the mesh by the logical-axis rules.
+    model = build(model_cfg, "mlm", seed=cfg.train.seed)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    shardings = param_shardings(model, mesh)
+    params = jax.device_put(params, shardings)
+    tx = make_optimizer(cfg.optim)
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    # Moments follow their parameters' layout; scalars (step counts, learning rate) are replicated.
+    opt_state = jax.tree.map(
+        lambda x: x if getattr(x.sharding, "mesh", None) == mesh else jax.device_put(x, replicated),
+        jax.jit(tx.init)(params),
+    )
+    state = TrainState(jax.device_put(jnp.int32(0), replicated), params, opt_state)
+    state_shardings = jax.tree.map(lambda x: x.sharding, state)
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    checkpoints = Checkpoints(run_dir / "checkpoints", cfg.checkpoint.keep_last, cfg.checkpoint.keep_best)
+    key = jax.random.key(cfg.train.seed)
+    start_step, elapsed = 0, 0.0
+    source = checkpoints
+    if resume not in ("auto", "never"):
+        source = Checkpoints(Path(resume).parent if Path(resume).name.isdigit() else Path(resume) / "checkpoints")
+    restore_step = None
+    if resume == "never" and checkpoints.latest_step() is not None:
+        raise UserError(f"{run_dir}: already has checkpoints; use another --out, or --resume auto to continue")
+    if resume != "never":
+        restore_step = int(Path(resume).name) if Path(resume).name.isdigit() else source.latest_step()
+        if resume not in ("auto",) and restore_step is None:
+            raise UserError(f"{resume}: no checkpoint to resume from")
+    if restore_step is not None:
+        state, meta = source.restore(restore_step, state)
+        loader.load_state_dict(meta["loader"])
+        start_step, elapsed = int(state.step), float(meta.get("elapsed", 0.0))
+
+    if jax.process_index() == 0:
+        if not (run_tokenizer / "tokenizer.json").exists():
+            _copy_tokenizer(tokenizer_dir, run_tokenizer)
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        (run_dir / RUN_FILE).write_text(
+            json.dumps({"kind": "pretrain", "model": to_dict(model_cfg), "shards": cfg.data.shards}, indent=2) + "\n"
+        )
+
+    masking = _masking_spec(cfg, tokenizer, manifest["special_ids"], model_cfg.vocab_size)
+    groups = mesh.shape["data"] * mesh.shape["fsdp"]
+    micro = cfg.train.global_batch // cfg.train.grad_accum
+    step_cfg = StepConfig(
+        masking=masking,
+        pad_id=tokenizer.pad_id,
+        grad_accum=cfg.train.grad_accum,
+        sparse_head=cfg.train.sparse_head,
+        groups=groups,
+        capacity=prediction_capacity(micro // groups * seq_len, cfg.mlm.rate),
+    )
+    step_jit = jax.jit(
+        functools.partial(train_step, graphdef, rest, tx=tx, cfg=step_cfg),
+        donate_argnums=(0,),
+        out_shardings=(state_shardings, None),
+    )
+
+    eval_fn = jax.jit(functools.partial(eval_sums, graphdef, rest, cfg=step_cfg))
+
+    def step_fn(state: TrainState, batch: Any, lr: float) -> tuple[TrainState, dict[str, Any]]:
+        return step_jit(state, batch, jnp.float32(lr), key)
+
+    warmup = warmup_fraction(cfg.optim, steps)
+    tokens_per_step = cfg.train.global_batch * seq_len
+    predicted = cfg.mlm.rate if cfg.train.sparse_head else 1.0
+    flops = train_flops_per_token(model_cfg, seq_len, predicted) * tokens_per_step
+    peak, _ = device_peak_flops(model_cfg.dtype)
+    peak *= len(mesh.devices.flat)
+    log = MetricsLog(
+        run_dir,
+        steps,
+        start_step,
+        cfg.log.tensorboard,
+        cfg.log.wandb,
+        cfg.log.wandb_project,
+        to_dict(cfg),
+        cfg.log.progress,
+    )
+    last: dict[str, Any] = {}
+    best = {"valid_loss": None}
+
+    def write(step: int, metrics: dict[str, float]) -> None:
+        metrics = {"epoch": loader.epoch_of(max(step - 1, 0)), "tokens": step * tokens_per_step, **metrics}
+        last.update(metrics)
+        log.write(step, metrics)
+        shown = {k: f"{metrics[k]:.4g}" for k in ("loss", "lr", "valid_loss") if k in metrics}
+        if "tokens_per_s" in metrics:
+            shown["tok/s"] = f"{metrics['tokens_per_s']:,.0f}"
+        log.progress(step, shown)
+
+    def save(step: int, state: TrainState) -> None:
+        meta = {"loader": loader.state_dict(), "elapsed": last.get("elapsed", 0.0), "step": step}
+        checkpoints.save(step, state, meta, valid_loss=best["valid_loss"] if best.get("step") == step else None)
+
+    def evaluate(step: int, state: TrainState) -> dict[str, float] | None:
+        if valid_shards is None:
+            return None
+        metrics = _evaluate(eval_fn, state.params, valid_shards, cfg, mesh)
+        best.update(valid_loss=metrics["valid_loss"], step=step)
+        return metrics
+
+    hooks = [loop.Hook(cfg.eval.every, evaluate), loop.Hook(cfg.checkpoint.every, lambda s, st: save(s, st))]
+    log.message(
+        f"pretraining {model_cfg.num_layers}x{model_cfg.hidden_size} ({model_cfg.num_params() / 1e6:.1f} M parameters) "
+        f"on {len(mesh.devices.flat)} device(s) {dict(mesh.shape)}: global batch {cfg.train.global_batch} "
+        f"({cfg.train.global_batch // len(mesh.devices.flat)} per device"
+        f"{f', {cfg.train.grad_accum} accumulation steps' if cfg.train.grad_accum > 1 else ''}) x {seq_len} tokens, "
+        f"{loader.batches_per_epoch} batches per epoch" + (f"; resuming from step {start_step}" if start_step else "")
+    )
+    try:
+        with loop.StopFlag() as stop:
+            state, step, elapsed = loop.run(
+                state,
+                step_fn,
+                lambda: next(loader),
+                lambda p: learning_rate(cfg.optim, p, warmup),
+                budget,
+                start_step,
+                hooks,
+                write,
+                cfg.log.every,
+                elapsed_before=elapsed,
+                tokens_per_step=tokens_per_step,
+                flops_per_step=flops,
+                peak_flops=peak,
+                stop_flag=stop,
+                on_stop=lambda s, st: (save(s, st), checkpoints.wait()),
+            )
+        if checkpoints.latest_step() != step:
+            save(step, state)
+        checkpoints.wait()
+    except loop.NonFiniteLoss as e:
+        checkpoints.wait()
+        good = checkpoints.latest_step()
+        where = (
+            f"the last good checkpoint is {run_dir / 'checkpoints' / str(good)}"
+            if good is not None
+            else "no checkpoint"
+        )
+        raise UserError(
+            f"{e}; no weights were updated with it and {where}; lower optim.lr or set optim.clip_norm"
+        ) from None
+    finally:
+        loader.close()
+        log.close()
+        checkpoints.close()
+    last["step"] = step
+    return last

@@ -1,0 +1,1 @@
+"""Training: state, the pure step, the loop, checkpoints and logs, shared by pretraining and fine-tuning."""

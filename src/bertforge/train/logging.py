@@ -1,0 +1,107 @@
+"""Where metrics go: a JSONL file in RUN, TensorBoard event files, Weights & Biases when asked, a progress bar.
+
+Only process 0 writes. Secrets never reach the logs: W&B reads its key from its own environment.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import jax
+from tqdm.auto import tqdm
+
+from bertforge.errors import UserError
+
+
+class MetricsLog:
+    def __init__(
+        self,
+        run_dir: str | Path,
+        total_steps: int | None,
+        start_step: int,
+        tensorboard: bool = True,
+        wandb: bool = False,
+        wandb_project: str = "bertforge",
+        config: dict[str, Any] | None = None,
+        progress: bool | None = None,
+    ):
+        self.main = jax.process_index() == 0
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.tb = self.wandb = None
+        self.bar = None
+        if not self.main:
+            return
+        if self.path.exists():
+            # A resumed run continues the file: entries past the restored step are from the lost attempt.
+            kept = [line for line in self.path.read_text().splitlines() if _step_of(line) <= start_step]
+            self.path.write_text("".join(line + "\n" for line in kept))
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+
+            self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"), purge_step=start_step + 1)
+        if wandb:
+            try:
+                import wandb as wandb_lib
+            except ImportError:
+                raise UserError("log.wandb is true but wandb is not installed (pip install wandb)") from None
+            self.wandb = wandb_lib.init(project=wandb_project, dir=str(run_dir), config=config, resume="allow")
+        show = sys.stderr.isatty() if progress is None else progress
+        self.bar = tqdm(total=total_steps, initial=start_step, unit="step", disable=not show, dynamic_ncols=True)
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.main:
+            return
+        record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
+        with self.path.open("a") as fh:
+            fh.write(json.dumps(record) + "\n")
+        if self.tb is not None:
+            for k, v in record.items():
+                if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
+                    self.tb.add_scalar(k.replace("_", "/", 1) if k.startswith(("train_", "valid_")) else k, v, step)
+            self.tb.flush()
+        if self.wandb is not None:
+            self.wandb.log(record, step=step)
+
+    def progress(self, step: int, postfix: dict[str, str]) -> None:
+        if self.bar is not None:
+            self.bar.n = step
+            self.bar.set_postfix(postfix, refresh=True)
+
+    def message(self, text: str) -> None:
+        if not self.main:
+            return
+        if self.bar is not None and not self.bar.disable:
+            self.bar.write(text, file=sys.stderr)
+        else:
+            print(text, file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def _plain(v: Any) -> Any:
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return v
+
+
+def _step_of(line: str) -> int:
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return 1 << 62
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []

@@ -1,0 +1,159 @@
+"""The training loop shared by pretraining and fine-tuning: steps, and hooks that run every N steps.
+
+The loop knows nothing of masks, checkpoints or evaluation: those are hooks. It owns the budget (steps or
+wall-clock), the learning-rate progress, metric logging every `log_every` steps, and the stop flag that SIGTERM
+raises (what preemptible machines receive before they are taken away).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from bertforge.errors import UserError
+
+
+class Preempted(Exception):
+    """SIGTERM arrived; the loop saved a checkpoint and stopped."""
+
+
+@dataclasses.dataclass
+class Hook:
+    every: int
+    fn: Callable[[int, Any], dict[str, float] | None]  # (step, state) -> metrics to log, or None
+    at_end: bool = True
+
+
+@dataclasses.dataclass
+class Budget:
+    max_steps: int | None = None
+    seconds: float | None = None
+
+    def progress(self, step: int, elapsed: float) -> float:
+        if self.seconds:
+            return elapsed / self.seconds
+        assert self.max_steps
+        return step / self.max_steps
+
+    def done(self, step: int, elapsed: float) -> bool:
+        return (self.max_steps is not None and step >= self.max_steps) or (
+            self.seconds is not None and elapsed >= self.seconds
+        )
+
+
+class StopFlag:
+    """Set by SIGTERM (and SIGINT once); the loop checks it after every step."""
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+        self._old: dict[int, Any] = {}
+
+    def __enter__(self) -> StopFlag:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.signal == signal.SIGINT and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C stops at once
+        self.signal = signum
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+OOM_HINT = (
+    "out of device memory at the first step: lower train.global_batch, raise train.grad_accum, shard parameters "
+    "with mesh.fsdp, or shorten the sequences (preprocess --seq-len)"
+)
+
+
+def run(
+    state: Any,
+    step_fn: Callable[[Any, Any, float], tuple[Any, dict[str, Any]]],
+    next_batch: Callable[[], Any],
+    lr_at: Callable[[float], float],
+    budget: Budget,
+    start_step: int,
+    hooks: list[Hook],
+    log: Callable[[int, dict[str, float]], None],
+    log_every: int,
+    elapsed_before: float = 0.0,
+    tokens_per_step: int = 0,
+    flops_per_step: float = 0.0,
+    peak_flops: float = float("nan"),
+    stop_flag: StopFlag | None = None,
+    on_stop: Callable[[int, Any], None] | None = None,
+) -> tuple[Any, int, float]:
+    """Run steps until the budget is spent; returns (state, step, elapsed seconds)."""
+    step = start_step
+    start = time.perf_counter() - elapsed_before
+    pending: list[dict[str, Any]] = []
+    window_start, window_steps = time.perf_counter(), 0
+    last_lr = 0.0
+    while not budget.done(step, time.perf_counter() - start):
+        lr = lr_at(budget.progress(step, time.perf_counter() - start))
+        batch = next_batch()
+        try:
+            state, metrics = step_fn(state, batch, lr)
+            if step == start_step:
+                jax.block_until_ready(metrics)
+        except Exception as e:  # XLA reports exhausted memory as a runtime error
+            if step == start_step and "RESOURCE_EXHAUSTED" in str(e).upper():
+                raise UserError(OOM_HINT) from None
+            raise
+        step += 1
+        window_steps += 1
+        last_lr = lr
+        pending.append(metrics)
+        boundary = step % log_every == 0 or budget.done(step, time.perf_counter() - start)
+        stopping = stop_flag is not None and stop_flag.signal is not None
+        if boundary or stopping or any(step % h.every == 0 for h in hooks):
+            _check_finite(pending, step)
+        if boundary:
+            fetched = jax.device_get(pending)
+            seconds = time.perf_counter() - window_start
+            record = {k: float(np.mean([m[k] for m in fetched])) for k in fetched[-1] if k != "finite"}
+            record["lr"] = last_lr
+            record["step_time"] = seconds / window_steps
+            if tokens_per_step:
+                record["tokens_per_s"] = tokens_per_step * window_steps / seconds
+            if flops_per_step:
+                record["mfu"] = flops_per_step * window_steps / seconds / peak_flops
+            record["elapsed"] = time.perf_counter() - start
+            log(step, record)
+            pending, window_start, window_steps = [], time.perf_counter(), 0
+        for hook in hooks:
+            if step % hook.every == 0:
+                extra = hook.fn(step, state)
+                if extra:
+                    log(step, extra)
+        if stopping:
+            if on_stop is not None:
+                on_stop(step, state)
+            raise Preempted(f"stopped by signal {stop_flag.signal} at step {step}")
+    for hook in hooks:
+        if hook.at_end and step % hook.every != 0:
+            extra = hook.fn(step, state)
+            if extra:
+                log(step, extra)
+    return state, step, time.perf_counter() - start
+
+
+class NonFiniteLoss(UserError):
+    pass
+
+
+def _check_finite(pending: list[dict[str, Any]], step: int) -> None:
+    flags = jax.device_get([m["finite"] for m in pending])
+    for i, ok in enumerate(flags):
+        if not bool(ok):
+            bad = step - len(pending) + i + 1
+            raise NonFiniteLoss(f"the loss became NaN or infinite at step {bad}")

@@ -1,0 +1,153 @@
+"""The pure, jitted train and eval steps of masked-LM pretraining.
+
+State in, state out: no hidden randomness (the masks and dropout of step s come from fold_in(key, s)), no side
+effects, buffers donated. Gradient accumulation splits the global batch into micro-batches inside the step and
+normalises by the masked-token count of the whole batch, so A micro-batches of B/A give the update of one batch
+of B. With `sparse_head`, the vocabulary projection runs only on the masked positions (Cramming, MosaicBERT):
+the loss is the same, the work a fraction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from bertforge.data.masking import IGNORE, MaskingSpec, mask_tokens
+from bertforge.train.optim import set_learning_rate
+
+
+class TrainState(NamedTuple):
+    step: jax.Array  # int32 scalar: updates done
+    params: Any  # nnx.State of nnx.Param
+    opt_state: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+    masking: MaskingSpec
+    pad_id: int
+    grad_accum: int = 1
+    sparse_head: bool = True
+    groups: int = 1  # row groups of a micro-batch, one per batch shard, each picking its own masked positions
+    capacity: int = 0  # max masked positions per group (see prediction_capacity)
+
+
+def prediction_capacity(tokens: int, rate: float) -> int:
+    """Room for the masked positions of `tokens` tokens: the mean plus 6 standard deviations, a multiple of 8.
+
+    Selections beyond it (a chance below 1e-9) are dropped from the loss in both the sparse and the dense head, so
+    the two stay identical.
+    """
+    mean = tokens * rate
+    return min(tokens, int(math.ceil((mean + 6 * math.sqrt(mean * (1 - rate)) + 8) / 8) * 8))
+
+
+def cap_labels(labels: jax.Array, groups: int, capacity: int) -> jax.Array:
+    """labels (b, T) with the masked positions beyond `capacity` per row group set to IGNORE."""
+    grouped = labels.reshape(groups, -1)
+    valid = grouped != IGNORE
+    keep = jnp.cumsum(valid, axis=1) <= capacity
+    return jnp.where(valid & keep, grouped, IGNORE).reshape(labels.shape)
+
+
+def _pick(hidden: jax.Array, labels: jax.Array, capacity: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One group's masked positions: hidden (n, D), labels (n,) -> (C, D), (C,), weights (C,)."""
+    valid = labels != IGNORE
+    (index,) = jnp.nonzero(valid, size=capacity, fill_value=0)
+    return hidden[index], labels[index], jnp.arange(capacity) < valid.sum()
+
+
+def mlm_sums(
+    model: Any, inputs: jax.Array, labels: jax.Array, cfg: StepConfig
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(loss sum, correct predictions, predictions) over the masked positions of inputs/labels (b, T)."""
+    hidden = model.encoder(inputs, (inputs != cfg.pad_id).astype(jnp.int32))  # (b, T, D)
+    if cfg.sparse_head:
+        g = cfg.groups
+        picked, target, weight = jax.vmap(_pick, in_axes=(0, 0, None))(
+            hidden.reshape(g, -1, hidden.shape[-1]), labels.reshape(g, -1), cfg.capacity
+        )  # (G, C, D), (G, C), (G, C)
+        logits = model.logits_at(picked)  # (G, C, V)
+    else:
+        logits = model.logits_at(hidden)  # (b, T, V)
+        target, weight = labels, labels != IGNORE
+    target = jnp.where(weight, target, 0)
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, target)
+    w = weight.astype(jnp.float32)
+    correct = (jnp.argmax(logits, axis=-1) == target).astype(jnp.float32)
+    return jnp.sum(loss * w), jnp.sum(correct * w), jnp.sum(w)
+
+
+def with_dropout_key(rest: Any, key: jax.Array) -> Any:
+    """The model's random-stream state with stream i keyed fold_in(key, i): dropout as a function of `key`."""
+    leaves, treedef = jax.tree.flatten(rest)
+    leaves = [
+        jax.random.fold_in(key, i) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x for i, x in enumerate(leaves)
+    ]
+    return jax.tree.unflatten(treedef, leaves)
+
+
+def _masked_batch(key: jax.Array, ids: jax.Array, cfg: StepConfig) -> tuple[jax.Array, jax.Array]:
+    """Mask the global batch, then lay it out as (A, B/A, T) micro-batches with their capped labels."""
+    inputs, labels = mask_tokens(key, ids, cfg.masking)
+    b, t = ids.shape
+    a = cfg.grad_accum
+    # Row i*A + k goes to micro-batch k: each device keeps its own rows in every micro-batch.
+    inputs = inputs.reshape(b // a, a, t).swapaxes(0, 1)
+    labels = labels.reshape(b // a, a, t).swapaxes(0, 1)
+    labels = jax.vmap(cap_labels, in_axes=(0, None, None))(labels, cfg.groups, cfg.capacity)
+    return inputs, labels
+
+
+def train_step(
+    graphdef: Any, rest: Any, state: TrainState, ids: jax.Array, lr: jax.Array, key: jax.Array, tx: Any, cfg: StepConfig
+) -> tuple[TrainState, dict[str, jax.Array]]:
+    """One optimizer update from a global batch of token ids (B, T). A non-finite loss leaves the state as it was."""
+    step_key = jax.random.fold_in(key, state.step)
+    mask_key, dropout_key = jax.random.split(step_key)
+    inputs, labels = _masked_batch(mask_key, ids, cfg)
+    total = jnp.maximum(jnp.sum(labels != IGNORE), 1).astype(jnp.float32)
+
+    def loss_fn(params: Any, x: jax.Array, y: jax.Array, k: jax.Array) -> tuple[jax.Array, tuple]:
+        model = nnx.merge(graphdef, params, with_dropout_key(rest, k))
+        loss_sum, correct, count = mlm_sums(model, x, y, cfg)
+        return loss_sum / total, (correct, count)
+
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def micro(carry: tuple, xs: tuple) -> tuple[tuple, None]:
+        grads, loss, correct = carry
+        x, y, k = xs
+        (l_k, (c_k, _)), g_k = grad_fn(state.params, x, y, k)
+        return (jax.tree.map(jnp.add, grads, g_k), loss + l_k, correct + c_k), None
+
+    keys = jax.random.split(dropout_key, cfg.grad_accum)
+    zeros = jax.tree.map(jnp.zeros_like, state.params)
+    (grads, loss, correct), _ = jax.lax.scan(micro, (zeros, jnp.float32(0), jnp.float32(0)), (inputs, labels, keys))
+    grad_norm = optax.global_norm(grads)
+    opt_state = set_learning_rate(state.opt_state, lr)
+    updates, new_opt_state = tx.update(grads, opt_state, state.params)
+    new_params = optax.apply_updates(state.params, updates)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
+    new_state = TrainState(state.step + 1, keep(new_params, state.params), keep(new_opt_state, state.opt_state))
+    metrics = {"loss": loss, "accuracy": correct / total, "grad_norm": grad_norm, "predictions": total}
+    metrics["finite"] = finite
+    return new_state, metrics
+
+
+def eval_sums(graphdef: Any, rest: Any, params: Any, ids: jax.Array, key: jax.Array, cfg: StepConfig) -> jax.Array:
+    """[loss sum, correct, predictions] of one validation batch (B, T), masks from `key`, no dropout."""
+    # One pass over the whole batch: A micro-batches' groups side by side.
+    eval_cfg = dataclasses.replace(cfg, groups=cfg.groups * cfg.grad_accum, grad_accum=1)
+    inputs, labels = mask_tokens(key, ids, cfg.masking)
+    labels = cap_labels(labels, eval_cfg.groups, eval_cfg.capacity)
+    model = nnx.merge(graphdef, params, rest)
+    model.eval()
+    return jnp.stack(mlm_sums(model, inputs, labels, eval_cfg))

@@ -1,0 +1,251 @@
+"""Pretraining: loss falls, sharding and accumulation change nothing, kill -9 and SIGTERM lose nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from test_preprocess import make_documents, run
+
+from bertforge.cli import main as cli
+from bertforge.config import from_dict
+from bertforge.tasks import pretrain
+from bertforge.tasks.export import load_run
+from bertforge.train.checkpoint import RunLock
+from bertforge.train.logging import read_metrics
+from bertforge.train.optim import OptimConfig, decay_mask, learning_rate
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory, wordpiece_dir):
+    tmp = tmp_path_factory.mktemp("pretrain-data")
+    run(tmp, wordpiece_dir, make_documents(n_docs=400, seed=7), seq_len=32, valid_fraction=0.05)
+    return tmp / "out"
+
+
+def config(shards, **sections):
+    data = {
+        "model": {"preset": "test", "hidden_dropout": 0.0, "attention_dropout": 0.0},
+        "data": {"shards": str(shards)},
+        "train": {"global_batch": 16, "max_steps": 20},
+        "optim": {"lr": 3e-3, "warmup_steps": 2},
+        "eval": {"every": 10},
+        "checkpoint": {"every": 10},
+        "log": {"every": 1, "tensorboard": False, "progress": False},
+    }
+    for section, values in sections.items():
+        data.setdefault(section, {}).update(values)
+    return from_dict(pretrain.PretrainConfig, data)
+
+
+def losses(run_dir, key="loss"):
+    return {m["step"]: m[key] for m in read_metrics(run_dir) if key in m}
+
+
+def params_of(run_dir, which="latest"):
+    model = load_run(run_dir, which).model
+    return [np.asarray(x) for x in jax.tree.leaves(nnx.state(model, nnx.Param))]
+
+
+def test_loss_falls_and_the_run_exports(shards, tmp_path, capsys):
+    cfg = config(shards, train={"max_steps": 60}, eval={"every": 20}, checkpoint={"every": 20})
+    last = pretrain.main(cfg, str(tmp_path / "run"))
+    train = losses(tmp_path / "run")
+    valid = losses(tmp_path / "run", "valid_loss")
+    assert train[1] > np.log(700) - 0.5  # starts near uniform over the vocabulary
+    assert np.mean([train[s] for s in range(51, 61)]) < train[1] - 1.0
+    assert valid[60] < valid[20] and last["valid_loss"] == valid[60]
+    assert 0 < last["valid_accuracy"] < 1 and last["valid_perplexity"] == pytest.approx(np.exp(valid[60]))
+
+    assert cli(["export", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 0
+    from transformers import AutoModelForMaskedLM
+
+    assert AutoModelForMaskedLM.from_pretrained(tmp_path / "hf").config.num_hidden_layers == 2
+    capsys.readouterr()
+    assert cli(["fill-mask", "--model", str(tmp_path / "run"), "--json", "the [MASK] city"]) == 0
+    assert len(json.loads(capsys.readouterr().out)[0]["masks"][0]) == 5
+
+
+def test_eight_devices_give_the_losses_of_one(shards, tmp_path):
+    # Dropout on: its masks are a function of the step's key, not of how the batch is laid out.
+    model = {"hidden_dropout": 0.1, "attention_dropout": 0.1}
+    one = config(shards, model=model, mesh={"num_devices": 1})
+    eight = config(shards, model=model, mesh={"num_devices": 8})
+    assert jax.device_count() == 8
+    pretrain.main(one, str(tmp_path / "one"))
+    pretrain.main(eight, str(tmp_path / "eight"))
+    a, b = losses(tmp_path / "one"), losses(tmp_path / "eight")
+    assert sorted(a) == sorted(b) == list(range(1, 21))
+    np.testing.assert_allclose([b[s] for s in a], [a[s] for s in a], rtol=0, atol=1e-5)
+    for x, y in zip(params_of(tmp_path / "one"), params_of(tmp_path / "eight"), strict=True):
+        np.testing.assert_allclose(y, x, atol=1e-5)
+
+
+def test_accumulation_gives_the_update_of_the_large_batch(shards, tmp_path):
+    # Without dropout, 4 micro-batches of 8 are the batch of 32 cut in four.
+    big = config(shards, train={"global_batch": 32, "max_steps": 6})
+    accumulated = config(shards, train={"global_batch": 32, "grad_accum": 4, "max_steps": 6})
+    pretrain.main(big, str(tmp_path / "big"))
+    pretrain.main(accumulated, str(tmp_path / "acc"))
+    np.testing.assert_allclose(
+        list(losses(tmp_path / "acc").values()), list(losses(tmp_path / "big").values()), atol=1e-5
+    )
+    for x, y in zip(params_of(tmp_path / "big"), params_of(tmp_path / "acc"), strict=True):
+        np.testing.assert_allclose(y, x, atol=1e-5)
+
+
+def test_sparse_head_gives_the_losses_of_the_dense_head(shards, tmp_path):
+    pretrain.main(config(shards, train={"max_steps": 5, "sparse_head": False}), str(tmp_path / "dense"))
+    pretrain.main(config(shards, train={"max_steps": 5, "sparse_head": True}), str(tmp_path / "sparse"))
+    np.testing.assert_allclose(
+        list(losses(tmp_path / "sparse").values()), list(losses(tmp_path / "dense").values()), atol=1e-5
+    )
+
+
+def _command(shards, out, *extra):
+    return [
+        sys.executable, "-m", "bertforge.cli", "pretrain", "--data", str(shards), "--out", str(out),
+        "--model.preset=test", "--train.global_batch=16", "--train.max_steps=30", "--optim.lr=3e-3",
+        "--checkpoint.every=4", "--eval.every=10", "--log.every=1", "--log.tensorboard=false", *extra,
+    ]  # fmt: skip
+
+
+def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 180) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"trainer exited early: {proc.stdout.read().decode()[-2000:]}")
+        if max(losses(run_dir), default=0) >= step:
+            return
+        time.sleep(0.05)
+    raise AssertionError("trainer too slow")
+
+
+def test_kill_9_then_the_same_command_continues_as_if_never_stopped(shards, tmp_path):
+    reference, killed = tmp_path / "reference", tmp_path / "killed"
+    subprocess.run(_command(shards, reference), check=True, capture_output=True, timeout=300)
+    kill_at = random.Random(os.environ.get("PYTEST_SEED", "bertforge")).randint(6, 24)
+    proc = subprocess.Popen(_command(shards, killed), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    _wait_for_step(killed, kill_at, proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    resumed_from = max(int(p.name) for p in (killed / "checkpoints").iterdir() if p.name.isdigit())
+    assert resumed_from < 30
+    subprocess.run(_command(shards, killed), check=True, capture_output=True, timeout=300)
+    for key in ("loss", "accuracy", "grad_norm", "lr", "valid_loss"):
+        ref, got = losses(reference, key), losses(killed, key)
+        assert sorted(got) == sorted(ref), key
+        for step in ref:
+            if step > resumed_from:
+                assert got[step] == ref[step], (key, step)
+    for x, y in zip(params_of(reference), params_of(killed), strict=True):
+        np.testing.assert_array_equal(y, x)
+
+
+def test_sigterm_saves_a_checkpoint_before_exit(shards, tmp_path):
+    out = tmp_path / "run"
+    cmd = _command(shards, out, "--train.max_steps=200", "--checkpoint.every=1000")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    _wait_for_step(out, 3, proc)
+    proc.send_signal(signal.SIGTERM)
+    output = proc.communicate(timeout=120)[0].decode()
+    assert proc.returncode == 143, output
+    assert "checkpoint saved; run the same command to continue" in output
+    saved = [int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit()]
+    assert len(saved) == 1 and 3 <= saved[0] < 200
+    assert saved[0] == max(losses(out))  # the step it stopped at
+
+
+def test_a_second_trainer_is_refused_naming_the_first(shards, tmp_path, capsys):
+    out = tmp_path / "run"
+    with RunLock(out):
+        code = cli(["pretrain", "--data", str(shards), "--out", str(out), "--model.preset=test", "--train.max_steps=2"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert f"another trainer is using this run (host {os.uname().nodename}, pid {os.getpid()})" in err
+
+
+def test_batch_that_does_not_split_over_devices_suggests_values(shards, tmp_path, capsys):
+    code = cli(["pretrain", "--data", str(shards), "--out", str(tmp_path / "r"), "--model.preset=test",
+                "--train.max_steps=2", "--train.global_batch=12"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert "do not split over 8 devices (mesh data x fsdp); use global_batch 8 or 16" in err
+
+
+def test_nan_loss_stops_the_run_naming_the_step_and_the_last_good_checkpoint(shards, tmp_path, capsys):
+    out = tmp_path / "run"
+    code = cli(["pretrain", "--data", str(shards), "--out", str(out), "--model.preset=test", "--train.max_steps=20",
+                "--optim.lr=1e30", "--optim.clip_norm=null", "--optim.warmup_steps=0", "--optim.warmup_fraction=0",
+                "--checkpoint.every=1", "--log.tensorboard=false"])  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 2
+    assert err.startswith("error: the loss became NaN or infinite at step ")
+    bad = int(err.split("at step ")[1].split(";")[0])
+    assert f"the last good checkpoint is {out / 'checkpoints' / str(bad - 1)}" in err
+    for x in params_of(out):
+        assert np.all(np.isfinite(x))  # no NaN was ever written
+
+
+def test_time_budget_stops_the_run(shards, tmp_path):
+    cfg = config(shards, train={"max_steps": None, "time_budget_minutes": 0.1}, eval={"every": 10**6})
+    start = time.time()
+    last = pretrain.main(cfg, str(tmp_path / "run"))
+    assert 6 <= time.time() - start < 60
+    assert last["elapsed"] >= 6 and last["lr"] < 3e-3  # the schedule was laid over the time budget
+
+
+def test_schedules_in_closed_form():
+    for schedule in ("linear", "polynomial", "cosine", "constant"):
+        cfg = OptimConfig(lr=1.0, schedule=schedule, end_lr_ratio=0.1, power=2.0)
+        assert learning_rate(cfg, 0.05, 0.1) == pytest.approx(0.5)  # halfway through warmup
+        assert learning_rate(cfg, 0.1, 0.1) == pytest.approx(1.0)
+    end = 0.1
+    assert learning_rate(OptimConfig(lr=1.0, schedule="linear", end_lr_ratio=end), 0.55, 0.1) == pytest.approx(0.55)
+    poly = OptimConfig(lr=1.0, schedule="polynomial", end_lr_ratio=end, power=2.0)
+    assert learning_rate(poly, 0.55, 0.1) == pytest.approx(end + 0.9 * 0.25)
+    cos = OptimConfig(lr=1.0, schedule="cosine", end_lr_ratio=end)
+    assert learning_rate(cos, 0.55, 0.1) == pytest.approx(end + 0.9 * 0.5)
+    assert learning_rate(cos, 1.0, 0.1) == pytest.approx(end)
+
+
+def test_weight_decay_skips_biases_and_layernorm():
+    from bertforge.model.bert import build
+    from bertforge.model.presets import preset
+
+    model = build(preset("test"), "mlm")
+    mask = nnx.to_pure_dict(decay_mask(nnx.state(model, nnx.Param)))
+    layer = mask["encoder"]["layers"][0]
+    assert layer["query"]["kernel"] and not layer["query"]["bias"]
+    assert not layer["attn_norm"]["scale"] and not layer["attn_norm"]["bias"]
+    assert mask["encoder"]["embeddings"]["word"]["embedding"] and not mask["mlm"]["bias"]
+    assert sum(jax.tree.leaves(mask)) == 2 * 6 + 3 + 1  # 6 kernels per layer, 3 embeddings, the MLM dense
+
+
+def test_adamw_decays_matrices_only():
+    from bertforge.model.bert import build
+    from bertforge.model.presets import preset
+    from bertforge.train.optim import make_optimizer, set_learning_rate
+
+    params = nnx.state(build(preset("test"), "mlm"), nnx.Param)
+    tx = make_optimizer(OptimConfig(lr=0.5, weight_decay=0.1, clip_norm=None))
+    state = set_learning_rate(tx.init(params), jax.numpy.float32(0.5))
+    zero = jax.tree.map(jax.numpy.zeros_like, params)
+    updates, _ = tx.update(zero, state, params)
+    p, u = nnx.to_pure_dict(params), nnx.to_pure_dict(updates)
+    kernel = p["encoder"]["layers"][0]["mlp_in"]["kernel"]
+    np.testing.assert_allclose(u["encoder"]["layers"][0]["mlp_in"]["kernel"], -0.5 * 0.1 * kernel, rtol=1e-6)
+    assert not np.any(u["encoder"]["layers"][0]["mlp_in"]["bias"])
+    assert not np.any(u["encoder"]["layers"][0]["mlp_norm"]["scale"])
