@@ -93,6 +93,27 @@ def test_eight_devices_give_the_losses_of_one(shards, tmp_path):
         np.testing.assert_allclose(y, x, atol=1e-5)
 
 
+def test_fsdp_gives_the_losses_of_data_parallel(shards, tmp_path):
+    # Parameters and optimizer moments split over 4 devices along 'embed'; the arithmetic is the same.
+    pretrain.main(config(shards, train={"max_steps": 8}), str(tmp_path / "dp"))
+    pretrain.main(config(shards, train={"max_steps": 8}, mesh={"data": 2, "fsdp": 4}), str(tmp_path / "fsdp"))
+    np.testing.assert_allclose(
+        list(losses(tmp_path / "fsdp").values()), list(losses(tmp_path / "dp").values()), atol=1e-5
+    )
+
+
+def test_out_of_memory_at_the_first_step_names_the_knobs():
+    from bertforge.errors import UserError
+    from bertforge.train import loop
+
+    def exhausted(state, batch, lr):
+        raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 17179869184 bytes.")
+
+    with pytest.raises(UserError, match=r"out of device memory at the first step: lower train.global_batch, raise "
+                                        r"train.grad_accum, shard parameters with mesh.fsdp"):  # fmt: skip
+        loop.run(None, exhausted, lambda: None, lambda p: 1.0, loop.Budget(max_steps=3), 0, [], lambda s, m: None, 1)
+
+
 def test_accumulation_gives_the_update_of_the_large_batch(shards, tmp_path):
     # Without dropout, 4 micro-batches of 8 are the batch of 32 cut in four.
     big = config(shards, train={"global_batch": 32, "max_steps": 6})

@@ -91,6 +91,9 @@ def _pretrain(args: argparse.Namespace, extra: Sequence[str]) -> int:
     except UserError as e:
         raise UserError(f"{args.config}: {e}" if args.config else str(e)) from None
     vocab_given = "vocab_size" in (data.get("model") or {})
+    from bertforge.parallel import initialize_distributed
+
+    initialize_distributed()
     try:
         last = pretrain.main(cfg, args.out, resume=args.resume, vocab_given=vocab_given)
     except Preempted as e:
@@ -106,6 +109,13 @@ def _export(args: argparse.Namespace) -> int:
 
     out = export.main(args.run_dir, args.out, args.step)
     print(f"exported {args.run_dir} ({args.step}) -> {out}")
+    return 0
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from bertforge.plot import plot_run
+
+    print(f"wrote {plot_run(args.run_dir, args.out)}")
     return 0
 
 
@@ -213,6 +223,11 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--out", required=True)
     ex.add_argument("--step", default="latest", help="latest (default), best, or a step number")
     ex.set_defaults(run=_export)
+
+    pl = sub.add_parser("plot", help="loss, validation loss and learning rate of a run, as a PNG")
+    pl.add_argument("run_dir", metavar="RUN", help="run folder")
+    pl.add_argument("--out", help="PNG to write (default: RUN/curves.png)")
+    pl.set_defaults(run=_plot)
 
     init = sub.add_parser(
         "init",

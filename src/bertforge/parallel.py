@@ -79,3 +79,28 @@ def shard_model(model: nnx.Module, mesh: Mesh) -> None:
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """(B, T) arrays: batch over the data-parallel axes, tokens replicated."""
     return NamedSharding(mesh, logical_to_mesh(("batch", "length")))
+
+
+def initialize_distributed() -> bool:
+    """Join a multi-host run when the environment describes one; returns whether it did.
+
+    TPU pod slices and SLURM jobs are detected by JAX itself; elsewhere set JAX_COORDINATOR_ADDRESS (host:port of
+    process 0), JAX_NUM_PROCESSES and JAX_PROCESS_ID on every host. Nothing else in bertforge changes.
+    """
+    import os
+
+    env = os.environ
+    explicit = "JAX_COORDINATOR_ADDRESS" in env
+    slurm = int(env.get("SLURM_NTASKS", "1")) > 1
+    tpu_pod = len([h for h in env.get("TPU_WORKER_HOSTNAMES", "").split(",") if h]) > 1
+    if not (explicit or slurm or tpu_pod):
+        return False
+    if explicit:
+        jax.distributed.initialize(
+            coordinator_address=env["JAX_COORDINATOR_ADDRESS"],
+            num_processes=int(env["JAX_NUM_PROCESSES"]) if "JAX_NUM_PROCESSES" in env else None,
+            process_id=int(env["JAX_PROCESS_ID"]) if "JAX_PROCESS_ID" in env else None,
+        )
+    else:
+        jax.distributed.initialize()
+    return True
