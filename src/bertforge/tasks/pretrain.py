@@ -387,5 +387,5 @@ def _main(cfg: PretrainConfig, run_dir: Path, resume: str, vocab_given: bool) ->
         loader.close()
         log.close()
         checkpoints.close()
-    last["step"] = step
+    last.update(step=step, elapsed=elapsed)
     return last
