@@ -270,3 +270,17 @@ def test_adamw_decays_matrices_only():
     np.testing.assert_allclose(u["encoder"]["layers"][0]["mlp_in"]["kernel"], -0.5 * 0.1 * kernel, rtol=1e-6)
     assert not np.any(u["encoder"]["layers"][0]["mlp_in"]["bias"])
     assert not np.any(u["encoder"]["layers"][0]["mlp_norm"]["scale"])
+
+
+def test_resume_from_another_runs_checkpoint_and_never(shards, tmp_path):
+    from bertforge.errors import UserError
+
+    pretrain.main(config(shards, train={"max_steps": 10}), str(tmp_path / "a"))
+    with pytest.raises(UserError, match="already has checkpoints"):
+        pretrain.main(config(shards), str(tmp_path / "a"), resume="never")
+    pretrain.main(config(shards), str(tmp_path / "b"), resume=str(tmp_path / "a" / "checkpoints" / "10"))
+    pretrain.main(config(shards), str(tmp_path / "a"))  # the same run, continued to step 20
+    a, b = losses(tmp_path / "a"), losses(tmp_path / "b")
+    assert min(b) == 11 and all(b[s] == a[s] for s in b)
+    with pytest.raises(UserError, match="no checkpoint to resume from"):
+        pretrain.main(config(shards), str(tmp_path / "c"), resume=str(tmp_path / "nowhere"))

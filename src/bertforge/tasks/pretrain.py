@@ -10,7 +10,6 @@ import dataclasses
 import functools
 import json
 import math
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -167,11 +166,19 @@ def _masking_spec(cfg: PretrainConfig, tokenizer: BertTokenizer, special: dict[s
     )
 
 
-def _copy_tokenizer(src: str, dst: Path) -> None:
-    dst.mkdir(parents=True, exist_ok=True)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt"):
-        if (Path(src) / name).exists():
-            shutil.copyfile(Path(src) / name, dst / name)
+def _restore_from(path: Path, state: TrainState) -> tuple[TrainState, dict[str, Any]]:
+    """--resume PATH: a step folder (RUN/checkpoints/N) or a run folder (its latest checkpoint)."""
+    directory, step = (path.parent, int(path.name)) if path.name.isdigit() else (path / "checkpoints", None)
+    if not directory.is_dir():
+        raise UserError(f"{path}: no checkpoint to resume from")
+    source = Checkpoints(directory)
+    try:
+        step = source.latest_step() if step is None else step
+        if step is None or step not in source.all_steps():
+            raise UserError(f"{path}: no checkpoint to resume from")
+        return source.restore(step, state)
+    finally:
+        source.close()
 
 
 def _evaluate(eval_fn: Any, params: Any, valid: Shards, cfg: PretrainConfig, mesh: Any) -> dict[str, float]:
@@ -258,24 +265,21 @@ def _main(cfg: PretrainConfig, run_dir: Path, resume: str, vocab_given: bool) ->
     checkpoints = Checkpoints(run_dir / "checkpoints", cfg.checkpoint.keep_last, cfg.checkpoint.keep_best)
     key = jax.random.key(cfg.train.seed)
     start_step, elapsed = 0, 0.0
-    source = checkpoints
-    if resume not in ("auto", "never"):
-        source = Checkpoints(Path(resume).parent if Path(resume).name.isdigit() else Path(resume) / "checkpoints")
-    restore_step = None
     if resume == "never" and checkpoints.latest_step() is not None:
         raise UserError(f"{run_dir}: already has checkpoints; use another --out, or --resume auto to continue")
-    if resume != "never":
-        restore_step = int(Path(resume).name) if Path(resume).name.isdigit() else source.latest_step()
-        if resume not in ("auto",) and restore_step is None:
-            raise UserError(f"{resume}: no checkpoint to resume from")
-    if restore_step is not None:
-        state, meta = source.restore(restore_step, state)
+    if resume == "auto" and checkpoints.latest_step() is not None:
+        state, meta = checkpoints.restore(checkpoints.latest_step(), state)
+    elif resume not in ("auto", "never"):
+        state, meta = _restore_from(Path(resume), state)
+    else:
+        meta = None
+    if meta is not None:
         loader.load_state_dict(meta["loader"])
         start_step, elapsed = int(state.step), float(meta.get("elapsed", 0.0))
 
     if jax.process_index() == 0:
         if not (run_tokenizer / "tokenizer.json").exists():
-            _copy_tokenizer(tokenizer_dir, run_tokenizer)
+            tokenizer.save(run_tokenizer)
         (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
         (run_dir / RUN_FILE).write_text(
             json.dumps({"kind": "pretrain", "model": to_dict(model_cfg), "shards": cfg.data.shards}, indent=2) + "\n"
