@@ -226,3 +226,12 @@ def test_python_api_returns_what_the_cli_writes(wordpiece_dir, tmp_path, capsys)
     np.testing.assert_allclose(api[:, 0], written, rtol=1e-6)
     mlm = save_hf_model(BertForMaskedLM, "bert", wordpiece_dir, tmp_path / "mlm")
     assert len(bertforge.fill_mask(str(mlm), "the [MASK] city", top_k=2)[0][0]) == 2
+
+
+def test_shortened_demo_runs_end_to_end(tmp_path, capsys):
+    code, out, err = run_cli(capsys, "demo", "--out", tmp_path / "demo", "--preset", "test", "--minutes", 0.05)
+    assert code == 0, err
+    assert "== summary" in out
+    for name in ("corpus.txt", "tokenizer/tokenizer.json", "shards/manifest.json", "run/metrics.jsonl"):
+        assert (tmp_path / "demo" / name).exists(), name
+    assert AutoModelForMaskedLM.from_pretrained(tmp_path / "demo" / "model").config.num_hidden_layers == 2

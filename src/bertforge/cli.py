@@ -161,7 +161,7 @@ def _predict(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from bertforge.tasks import demo
 
-    demo.main(demo.DemoConfig(out=args.out, preset=args.preset))
+    demo.main(demo.DemoConfig(out=args.out, preset=args.preset, minutes=args.minutes))
     return 0
 
 
@@ -261,6 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     dm = sub.add_parser("demo", help="the whole pipeline on a built-in corpus (no download)")
     dm.add_argument("--out", default="demo-output", help="folder for everything the demo writes")
     dm.add_argument("--preset", default="mini", help="model size")
+    dm.add_argument("--minutes", type=float, default=3.0, help="pretraining budget")
     dm.set_defaults(run=_demo)
     return parser
 
