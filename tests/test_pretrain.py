@@ -284,3 +284,13 @@ def test_resume_from_another_runs_checkpoint_and_never(shards, tmp_path):
     assert min(b) == 11 and all(b[s] == a[s] for s in b)
     with pytest.raises(UserError, match="no checkpoint to resume from"):
         pretrain.main(config(shards), str(tmp_path / "c"), resume=str(tmp_path / "nowhere"))
+
+
+def test_pretrain_refuses_another_tokenizer_and_too_long_sequences(shards, tmp_path, bpe_dir, capsys):
+    base = ["pretrain", "--data", str(shards), "--model.preset=test", "--train.max_steps=2"]
+    code = cli([*base, "--out", str(tmp_path / "a"), "--tokenizer", str(bpe_dir)])
+    err = capsys.readouterr().err
+    assert code == 2 and "manifest.json was made with another tokenizer than" in err and "Traceback" not in err
+    code = cli([*base, "--out", str(tmp_path / "b"), "--model.max_position_embeddings=16"])
+    err = capsys.readouterr().err
+    assert code == 2 and "sequences of 32 tokens do not fit the position table" in err and "Traceback" not in err
