@@ -8,7 +8,6 @@ state, a checkpoint holds JSON metadata: the data loader's position, the run's r
 from __future__ import annotations
 
 import fcntl
-import json
 import os
 import socket
 from pathlib import Path
@@ -97,10 +96,3 @@ class Checkpoints:
 
     def close(self) -> None:
         self.manager.close()
-
-
-def read_meta(step_dir: str | Path) -> dict[str, Any]:
-    path = Path(step_dir) / "meta" / "metadata"
-    if not path.exists():
-        raise UserError(f"{step_dir}: not a bertforge checkpoint (no meta)")
-    return json.loads(path.read_text())
