@@ -6,8 +6,17 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from bertforge.errors import UserError
+
+
+def _make(cls: Any, **kwargs: Any) -> Any:
+    """A stage's frozen config from CLI flags; its validation errors are the user's."""
+    try:
+        return cls(**kwargs)
+    except ValueError as e:
+        raise UserError(str(e)) from None
 
 
 def _tokenizer_train(args: argparse.Namespace) -> int:
@@ -31,24 +40,22 @@ def _tokenizer_train(args: argparse.Namespace) -> int:
 def _preprocess(args: argparse.Namespace) -> int:
     from bertforge.data import preprocess
 
-    try:
-        cfg = preprocess.PreprocessConfig(
-            tokenizer=args.tokenizer,
-            files=tuple(args.files),
-            out=args.out,
-            seq_len=args.seq_len,
-            mode=args.mode,
-            workers=args.workers,
-            valid_fraction=0.0 if args.valid_files else args.valid_fraction,
-            valid_files=tuple(args.valid_files or ()),
-            shard_size=args.shard_size,
-            input_format=args.input_format,
-            doc_per_line=args.doc_per_line,
-            text_field=args.text_field,
-            seed=args.seed,
-        )
-    except ValueError as e:
-        raise UserError(str(e)) from None
+    cfg = _make(
+        preprocess.PreprocessConfig,
+        tokenizer=args.tokenizer,
+        files=tuple(args.files),
+        out=args.out,
+        seq_len=args.seq_len,
+        mode=args.mode,
+        workers=args.workers,
+        valid_fraction=0.0 if args.valid_files else args.valid_fraction,
+        valid_files=tuple(args.valid_files or ()),
+        shard_size=args.shard_size,
+        input_format=args.input_format,
+        doc_per_line=args.doc_per_line,
+        text_field=args.text_field,
+        seed=args.seed,
+    )
     m = preprocess.main(cfg)
     train, valid = m["splits"]["train"], m["splits"]["valid"]
     stats = m["stats"]
@@ -64,11 +71,10 @@ def _preprocess(args: argparse.Namespace) -> int:
 
 
 def _init(args: argparse.Namespace, extra: Sequence[str]) -> int:
-    from bertforge.config import deep_merge, from_dict, parse_overrides, read_yaml
+    from bertforge.config import load_config_and_data
     from bertforge.tasks import init
 
-    data = deep_merge(read_yaml(args.config) if args.config else {}, parse_overrides(extra))
-    cfg = from_dict(init.InitConfig, data)
+    cfg, data = load_config_and_data(init.InitConfig, args.config, extra)
     vocab_given = "vocab_size" in (data.get("model") or {})
     out = init.main(cfg, args.tokenizer, args.out, vocab_given=vocab_given)
     print(f"initialised a {cfg.model.num_layers}-layer model with a {cfg.head} head -> {out}")
@@ -76,20 +82,12 @@ def _init(args: argparse.Namespace, extra: Sequence[str]) -> int:
 
 
 def _pretrain(args: argparse.Namespace, extra: Sequence[str]) -> int:
-    from bertforge.config import deep_merge, from_dict, parse_overrides, read_yaml
+    from bertforge.config import load_config_and_data
     from bertforge.tasks import pretrain
     from bertforge.train.loop import Preempted
 
-    data = deep_merge(read_yaml(args.config) if args.config else {}, parse_overrides(extra))
-    data.setdefault("data", {})
-    if args.data:
-        data["data"]["shards"] = args.data
-    if args.tokenizer:
-        data["data"]["tokenizer"] = args.tokenizer
-    try:
-        cfg = from_dict(pretrain.PretrainConfig, data)
-    except UserError as e:
-        raise UserError(f"{args.config}: {e}" if args.config else str(e)) from None
+    flags = {k: v for k, v in (("shards", args.data), ("tokenizer", args.tokenizer)) if v}
+    cfg, data = load_config_and_data(pretrain.PretrainConfig, args.config, extra, {"data": flags})
     vocab_given = "vocab_size" in (data.get("model") or {})
     from bertforge.parallel import initialize_distributed
 
@@ -139,20 +137,18 @@ def _fill_mask(args: argparse.Namespace) -> int:
 def _predict(args: argparse.Namespace) -> int:
     from bertforge.tasks.infer import PredictConfig, predict_main
 
-    try:
-        cfg = PredictConfig(
-            model=args.model,
-            data=args.data,
-            out=args.out,
-            text_column=args.text_column,
-            text_pair_column=args.text_pair_column,
-            id_column=args.id_column,
-            batch_size=args.batch_size,
-            max_length=args.max_length,
-            truncation=args.truncation,
-        )
-    except ValueError as e:
-        raise UserError(str(e)) from None
+    cfg = _make(
+        PredictConfig,
+        model=args.model,
+        data=args.data,
+        out=args.out,
+        text_column=args.text_column,
+        text_pair_column=args.text_pair_column,
+        id_column=args.id_column,
+        batch_size=args.batch_size,
+        max_length=args.max_length,
+        truncation=args.truncation,
+    )
     outputs = predict_main(cfg)
     print(f"wrote {len(outputs)} predictions -> {args.out}")
     return 0

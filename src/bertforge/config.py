@@ -189,13 +189,24 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def load_config(cls: type[T], path: str | Path | None = None, overrides: Sequence[str] = ()) -> T:
-    """YAML file (optional) + dotted overrides -> validated frozen `cls`."""
+def load_config_and_data(
+    cls: type[T],
+    path: str | Path | None = None,
+    overrides: Sequence[str] = (),
+    extra: Mapping[str, Any] | None = None,
+) -> tuple[T, dict[str, Any]]:
+    """YAML file (optional) + dotted overrides + `extra` (e.g. CLI flags) -> validated frozen `cls`, and the merged
+    plain data it was built from (for callers that must know which keys were given)."""
     data = read_yaml(path) if path else {}
-    data = deep_merge(data, parse_overrides(overrides))
+    data = deep_merge(deep_merge(data, parse_overrides(overrides)), extra or {})
     try:
-        return from_dict(cls, data)
+        return from_dict(cls, data), data
     except UserError as e:
         if path:
             raise UserError(f"{path}: {e}") from None
         raise
+
+
+def load_config(cls: type[T], path: str | Path | None = None, overrides: Sequence[str] = ()) -> T:
+    """YAML file (optional) + dotted overrides -> validated frozen `cls`."""
+    return load_config_and_data(cls, path, overrides)[0]

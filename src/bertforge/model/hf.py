@@ -244,10 +244,10 @@ def weight_files(folder: Path) -> list[Path]:
     raise UserError(f"{folder}: no model.safetensors here")
 
 
-def read_weights(folder: Path) -> dict[str, np.ndarray]:
-    """All tensors of a folder's safetensors file(s) as float32 numpy arrays, keyed by normalised HF name."""
+def read_weights(files: list[Path]) -> dict[str, np.ndarray]:
+    """All tensors of safetensors file(s) (see weight_files) as float32 numpy arrays, keyed by HF name."""
     tensors: dict[str, np.ndarray] = {}
-    for path in weight_files(folder):
+    for path in files:
         try:
             with safe_open(str(path), framework="flax") as f:
                 for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
@@ -385,7 +385,7 @@ def load_pretrained(
     head = head or info.head or "mlm"
     if head not in HEADS:
         raise ValueError(f"unknown head {head!r}")
-    weight_files(folder)  # refuse pickles before anything else is read
+    files = weight_files(folder)  # refuses pickles before anything else is read
     tokenizer = None
     if need_tokenizer:
         tokenizer = BertTokenizer.load(folder)
@@ -397,7 +397,7 @@ def load_pretrained(
     id2label = info.id2label
     if num_labels is not None and num_labels != len(id2label):
         id2label = {i: f"LABEL_{i}" for i in range(num_labels)}
-    tensors = read_weights(folder)
+    tensors = read_weights(files)
     model = build(cfg, head, num_labels=len(id2label), seed=seed)
     missing = load_weights(model, tensors, head, str(folder))
     if missing and require_head:
