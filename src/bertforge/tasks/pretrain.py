@@ -324,7 +324,7 @@ def _main(cfg: PretrainConfig, run_dir: Path, resume: str, vocab_given: bool) ->
         cfg.log.progress,
     )
     last: dict[str, Any] = {}
-    best = {"valid_loss": None}
+    evaluated: dict[str, Any] = {}  # the latest evaluation: its step and loss go with that step's checkpoint
 
     def write(step: int, metrics: dict[str, float]) -> None:
         metrics = {"epoch": loader.epoch_of(max(step - 1, 0)), "tokens": step * tokens_per_step, **metrics}
@@ -337,16 +337,18 @@ def _main(cfg: PretrainConfig, run_dir: Path, resume: str, vocab_given: bool) ->
 
     def save(step: int, state: TrainState) -> None:
         meta = {"loader": loader.state_dict(), "elapsed": last.get("elapsed", 0.0), "step": step}
-        checkpoints.save(step, state, meta, valid_loss=best["valid_loss"] if best.get("step") == step else None)
+        checkpoints.save(
+            step, state, meta, valid_loss=evaluated["valid_loss"] if evaluated.get("step") == step else None
+        )
 
     def evaluate(step: int, state: TrainState) -> dict[str, float] | None:
         if valid_shards is None:
             return None
         metrics = _evaluate(eval_fn, state.params, valid_shards, cfg, mesh)
-        best.update(valid_loss=metrics["valid_loss"], step=step)
+        evaluated.update(valid_loss=metrics["valid_loss"], step=step)
         return metrics
 
-    hooks = [loop.Hook(cfg.eval.every, evaluate), loop.Hook(cfg.checkpoint.every, lambda s, st: save(s, st))]
+    hooks = [loop.Hook(cfg.eval.every, evaluate), loop.Hook(cfg.checkpoint.every, save)]
     log.message(
         f"pretraining {model_cfg.num_layers}x{model_cfg.hidden_size} ({model_cfg.num_params() / 1e6:.1f} M parameters) "
         f"on {len(mesh.devices.flat)} device(s) {dict(mesh.shape)}: global batch {cfg.train.global_batch} "
