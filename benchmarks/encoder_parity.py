@@ -21,8 +21,8 @@ import torch
 from flax import nnx
 from transformers import BertModel
 
+from bertforge.data.batching import pad_batch
 from bertforge.model.hf import load_pretrained
-from bertforge.tasks.infer import pad_batch
 
 
 def timed(fn, repeats: int) -> float:

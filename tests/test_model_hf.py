@@ -22,11 +22,11 @@ from transformers import (
     RobertaForSequenceClassification,
 )
 
+from bertforge.data.batching import pad_batch
 from bertforge.errors import UserError
 from bertforge.model.bert import build
 from bertforge.model.hf import load_pretrained, save_pretrained
 from bertforge.model.presets import preset
-from bertforge.tasks.infer import pad_batch
 
 TEXTS = [
     "The river city had a music school.",

@@ -203,7 +203,7 @@ def test_batch_that_does_not_split_over_devices_suggests_values(shards, tmp_path
                 "--train.max_steps=2", "--train.global_batch=12"])  # fmt: skip
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err
-    assert "do not split over 8 devices (mesh data x fsdp); use global_batch 8 or 16" in err
+    assert "do not split over 8 devices (mesh data x fsdp); use train.global_batch 8 or 16" in err
 
 
 def test_nan_loss_stops_the_run_naming_the_step_and_the_last_good_checkpoint(shards, tmp_path, capsys):

@@ -7,6 +7,8 @@ The Python API mirrors the command line:
     pre = bertforge.load("path/or/hub-id")            # model + tokenizer
     bertforge.fill_mask(pre, ["Paris is the [MASK] of France."])
     bertforge.predict(pre, ["a text", "another"])     # (N, num_labels)
+    summary = bertforge.finetune("configs/finetune/commonlit-minilm.yaml", out="run", model="path/or/hub-id")
+    bertforge.predict("run", ["a text"])              # the mean of the run's fold models
     bertforge.save(pre.model, "export/", pre.tokenizer)
 """
 
@@ -24,6 +26,8 @@ _API = {
     "load_tokenizer": ("bertforge.tokenizer", "BertTokenizer.load"),
     "fill_mask": ("bertforge.api", "fill_mask"),
     "predict": ("bertforge.api", "predict"),
+    "finetune": ("bertforge.api", "finetune"),
+    "pretrain": ("bertforge.api", "pretrain"),
 }
 __all__ = list(_API)
 

@@ -1,9 +1,11 @@
-"""Notebook-friendly wrappers: a model may be given as a folder, a hub id, or an already loaded Pretrained."""
+"""Notebook-friendly wrappers: a model may be given as a folder, a hub id, a run, or an already loaded Pretrained;
+a config as the frozen dataclass, a plain dict (as in the YAML files) or a YAML path."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -16,6 +18,18 @@ def _loaded(model: str | os.PathLike | Pretrained, head: str) -> Pretrained:
     if isinstance(model, Pretrained):
         return model
     return load_pretrained(model, head=head, require_head=True)
+
+
+def _config(cls: type, cfg: Any, overrides: Mapping[str, Any]) -> Any:
+    from bertforge.config import deep_merge, from_dict, read_yaml, to_dict
+
+    if isinstance(cfg, (str, Path)):
+        data = read_yaml(cfg)
+    elif isinstance(cfg, cls):
+        data = to_dict(cfg)
+    else:
+        data = dict(cfg or {})
+    return from_dict(cls, deep_merge(data, overrides))
 
 
 def fill_mask(
@@ -32,7 +46,30 @@ def predict(
     pairs: Sequence[str] | None = None,
     batch_size: int = 32,
     max_length: int | None = None,
-    truncation: str = "head",
+    truncation: str | None = None,
 ) -> np.ndarray:
-    """(N, num_labels) outputs of a sequence model; the same numbers `bertforge predict` writes."""
-    return infer.predict_outputs(_loaded(model, "sequence"), texts, pairs, batch_size, max_length, truncation)
+    """(N, num_labels) outputs of a sequence model, or the mean over a fine-tuning run's folds: the numbers
+    `bertforge predict` writes."""
+    if isinstance(model, Pretrained):
+        models, settings = [model], {}
+    else:
+        models, settings = infer.load_models(str(model))
+    max_length = max_length or settings.get("max_length")
+    truncation = truncation or settings.get("truncation") or "head"
+    return infer.ensemble_outputs(models, list(texts), pairs, batch_size, max_length, truncation)
+
+
+def finetune(cfg: Any = None, out: str | os.PathLike = "finetune-run", **overrides: Any) -> dict[str, Any]:
+    """Fine-tune as `bertforge finetune` does; returns the summary. Keyword arguments override config sections,
+    e.g. finetune("configs/finetune/commonlit-minilm.yaml", out="run", model="my-model", train={"epochs": 1})."""
+    from bertforge.tasks import finetune as task
+
+    return task.main(_config(task.FinetuneConfig, cfg, overrides), str(out))
+
+
+def pretrain(cfg: Any = None, out: str | os.PathLike = "pretrain-run", **overrides: Any) -> dict[str, Any]:
+    """Pretrain as `bertforge pretrain` does; returns the last logged metrics. Keyword arguments override config
+    sections, e.g. pretrain("configs/pretrain/mini.yaml", out="run", data={"shards": "shards/"})."""
+    from bertforge.tasks import pretrain as task
+
+    return task.main(_config(task.PretrainConfig, cfg, overrides), str(out))

@@ -154,6 +154,45 @@ def _predict(args: argparse.Namespace) -> int:
     return 0
 
 
+def _finetune(args: argparse.Namespace, extra: Sequence[str]) -> int:
+    from bertforge.config import load_config_and_data
+    from bertforge.tasks import finetune
+    from bertforge.train.loop import Preempted
+
+    data = {
+        "train": args.data,
+        "valid": args.valid_data,
+        "text_column": args.text_column,
+        "text_pair_column": args.text_pair_column,
+        "target_columns": args.target_column.split(",") if args.target_column else None,
+        "id_column": args.id_column,
+        "group_column": args.group_column,
+        "error_column": args.error_column,
+        "max_length": args.max_length,
+        "truncation": args.truncation,
+    }
+    flags: dict[str, Any] = {"data": {k: v for k, v in data.items() if v is not None}}
+    if args.model:
+        flags["model"] = args.model
+    if args.task:
+        flags["head"] = {"task": args.task}
+    folds = {k: v for k, v in (("k", args.folds), ("run", args.fold)) if v is not None}
+    if folds:
+        flags["folds"] = folds
+    cfg, _ = load_config_and_data(finetune.FinetuneConfig, args.config, extra, flags)
+    from bertforge.parallel import initialize_distributed
+
+    initialize_distributed()
+    try:
+        summary = finetune.main(cfg, args.out, resume=args.resume)
+    except Preempted as e:
+        print(f"{e}; checkpoint saved; run the same command to continue", file=sys.stderr)
+        return 143
+    print(finetune.format_summary(summary))
+    print(f"-> {args.out} (summary.json, oof.csv, fold-*/model)")
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from bertforge.tasks import demo
 
@@ -243,16 +282,40 @@ def build_parser() -> argparse.ArgumentParser:
     fm.set_defaults(run=_fill_mask)
 
     pr = sub.add_parser("predict", help="predictions of a sequence-classification model for a table of texts")
-    pr.add_argument("--model", required=True)
+    pr.add_argument("--model", required=True, help="a fine-tuning run (its folds averaged) or a model folder")
     pr.add_argument("--data", required=True, help="CSV, TSV or JSONL")
     pr.add_argument("--out", required=True, help="CSV to write")
-    pr.add_argument("--text-column", default="text")
+    pr.add_argument("--text-column", default=None, help="default: the fine-tuning run's, else text")
     pr.add_argument("--text-pair-column", default=None)
     pr.add_argument("--id-column", default=None, help="column copied to the output (default: 'id' if present)")
     pr.add_argument("--batch-size", type=int, default=32)
     pr.add_argument("--max-length", type=int, default=None)
-    pr.add_argument("--truncation", choices=["head", "tail", "head+tail"], default="head")
+    pr.add_argument("--truncation", choices=["head", "tail", "head+tail"], default=None)
     pr.set_defaults(run=_predict)
+
+    ft = sub.add_parser(
+        "finetune",
+        help="fine-tune a sequence head with k-fold cross-validation; the same command again resumes",
+        description="Overrides such as --optim.lr=3e-5 --train.epochs=5 --head.pooling=mean follow the flags.",
+    )
+    ft.add_argument("--model", help="Hugging Face folder or hub id, or a bertforge pretraining run")
+    ft.add_argument("--data", help="training table: CSV, TSV, JSONL or Parquet, local or fsspec URL")
+    ft.add_argument("--valid-data", help="a validation table instead of folds")
+    ft.add_argument("--text-column", help="default: text")
+    ft.add_argument("--text-pair-column")
+    ft.add_argument("--target-column", help="default: target; several for multilabel, comma-separated")
+    ft.add_argument("--id-column", help="copied to oof.csv (default: 'id' when present)")
+    ft.add_argument("--group-column", help="rows sharing a value stay in one fold")
+    ft.add_argument("--error-column", help="standard error of the target: rows weighted by 1/error^2")
+    ft.add_argument("--task", choices=["regression", "classification", "multilabel"])
+    ft.add_argument("--folds", type=int, help="number of folds (default 5)")
+    ft.add_argument("--fold", help="'all' (default) or fold numbers such as 0 or 0,2")
+    ft.add_argument("--max-length", type=int, help="tokens per text (default 256)")
+    ft.add_argument("--truncation", choices=["head", "tail", "head+tail"])
+    ft.add_argument("--config", help="YAML (configs/finetune/*.yaml)")
+    ft.add_argument("--out", required=True, help="run folder")
+    ft.add_argument("--resume", default="auto", choices=["auto", "never"])
+    ft.set_defaults(run=_finetune, takes_overrides=True)
 
     dm = sub.add_parser("demo", help="the whole pipeline on a built-in corpus (no download)")
     dm.add_argument("--out", default="demo-output", help="folder for everything the demo writes")

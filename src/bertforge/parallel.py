@@ -81,6 +81,17 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, logical_to_mesh(("batch", "length")))
 
 
+def global_array(full: np.ndarray, mesh: Mesh) -> jax.Array:
+    """A batch that every process holds whole (B, ...) as one global array split over the data-parallel axes.
+
+    Each process hands over only its own rows, as `jax.make_array_from_process_local_data` expects.
+    """
+    sharding = NamedSharding(mesh, logical_to_mesh(("batch",) + (None,) * (full.ndim - 1)))
+    per = full.shape[0] // jax.process_count()
+    local = full[jax.process_index() * per : (jax.process_index() + 1) * per]
+    return jax.make_array_from_process_local_data(sharding, local, full.shape)
+
+
 def initialize_distributed() -> bool:
     """Join a multi-host run when the environment describes one; returns whether it did.
 

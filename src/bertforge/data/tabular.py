@@ -1,4 +1,7 @@
-"""Tables of texts and targets: CSV, TSV and JSONL, local or fsspec URLs, read with named errors."""
+"""Tables of texts and targets: CSV, TSV, JSONL and Parquet, local or fsspec URLs, read with named errors.
+
+Rows are numbered from 1, the header not counted, in every error message.
+"""
 
 from __future__ import annotations
 
@@ -8,23 +11,40 @@ from collections.abc import Sequence
 from typing import Any
 
 import fsspec
+import numpy as np
 
 from bertforge.data.documents import iter_jsonl
 from bertforge.errors import UserError
 
-FORMATS = {".csv": "csv", ".tsv": "tsv", ".jsonl": "jsonl", ".json": "jsonl"}
+FORMATS = {".csv": "csv", ".tsv": "tsv", ".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
 
 
 def _format(path: str) -> str:
     for suffix, fmt in FORMATS.items():
         if path.lower().endswith(suffix):
             return fmt
-    raise UserError(f"{path}: unknown table format (use .csv, .tsv or .jsonl)")
+    raise UserError(f"{path}: unknown table format (use .csv, .tsv, .jsonl or .parquet)")
+
+
+def _read_parquet(path: str) -> tuple[list[str], list[dict[str, Any]]]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        with fsspec.open(path, "rb") as fh:
+            table = pq.read_table(fh)
+    except FileNotFoundError:
+        raise UserError(f"{path}: no such file") from None
+    except (OSError, pa.ArrowException) as e:
+        raise UserError(f"{path}: not a readable Parquet file ({str(e).splitlines()[0] if str(e) else e})") from None
+    return list(table.column_names), table.to_pylist()
 
 
 def read_table(path: str) -> tuple[list[str], list[dict[str, Any]]]:
     """-> (column names, rows as dicts). Row numbers in errors count the header as row 1 for CSV/TSV."""
     fmt = _format(path)
+    if fmt == "parquet":
+        return _read_parquet(path)
     if fmt == "jsonl":
         rows = [row for _, row in iter_jsonl(path)]
         if not rows:
@@ -55,8 +75,7 @@ def read_table(path: str) -> tuple[list[str], list[dict[str, Any]]]:
 
 def text_column(path: str, columns: Sequence[str], rows: list[dict[str, Any]], column: str) -> list[str]:
     """The values of a text column; a missing column or an empty text is an error naming it."""
-    if column not in columns:
-        raise UserError(f"{path}: no column '{column}' (columns: {', '.join(columns)})")
+    _require(path, columns, column)
     out = []
     for i, row in enumerate(rows):
         value = row.get(column)
@@ -64,6 +83,48 @@ def text_column(path: str, columns: Sequence[str], rows: list[dict[str, Any]], c
             raise UserError(f"{path}: row {i + 1} has an empty text in column '{column}'")
         out.append(value)
     return out
+
+
+def _require(path: str, columns: Sequence[str], column: str) -> None:
+    if column not in columns:
+        raise UserError(f"{path}: no column '{column}' (columns: {', '.join(columns)})")
+
+
+def numeric_column(path: str, columns: Sequence[str], rows: list[dict[str, Any]], column: str) -> np.ndarray:
+    """(N,) float64 values of a column; a missing column, an empty cell, text or NaN is an error naming the row."""
+    _require(path, columns, column)
+    out = np.empty(len(rows), np.float64)
+    for i, row in enumerate(rows):
+        value = row.get(column)
+        try:
+            x = float(value.strip() if isinstance(value, str) else value)  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            raise UserError(f"{path}: row {i + 1}: column '{column}' holds {value!r}, not a number") from None
+        if not np.isfinite(x):
+            raise UserError(f"{path}: row {i + 1}: column '{column}' is {value!r}; every row needs a finite value")
+        out[i] = x
+    return out
+
+
+def label_column(path: str, columns: Sequence[str], rows: list[dict[str, Any]], column: str) -> list[str]:
+    """Class labels as strings (1 and '1' are one class); an empty cell is an error naming the row."""
+    _require(path, columns, column)
+    out = []
+    for i, row in enumerate(rows):
+        value = row.get(column)
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        label = "" if value is None else str(value).strip()
+        if not label or label.lower() == "nan":
+            raise UserError(f"{path}: row {i + 1}: column '{column}' has no label")
+        out.append(label)
+    return out
+
+
+def plain_column(path: str, columns: Sequence[str], rows: list[dict[str, Any]], column: str) -> list[str]:
+    """A column's values as strings, empty cells as ''."""
+    _require(path, columns, column)
+    return ["" if row.get(column) is None else str(row.get(column)) for row in rows]
 
 
 def write_csv(path: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:

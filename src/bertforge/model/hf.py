@@ -101,6 +101,9 @@ def key_table(cfg: ModelConfig, head: str) -> list[Row]:
         rows += _linear("classifier.out_proj", ("head", "out"), True)
     else:
         raise ValueError(f"unknown head {head!r}")
+    if head == "sequence" and cfg.pooling == "attention":
+        # Not a transformers parameter: a bertforge folder with attention pooling is read back by bertforge.
+        rows += [Row("bertforge_pooling.score", ("head", "score"), False, True)]
     return rows
 
 
@@ -144,7 +147,7 @@ def config_from_hf(data: dict[str, Any], source: str) -> tuple[ModelConfig, Head
         "initializer_range": "initializer_range",
         "pad_token_id": "pad_token_id",
     }
-    kwargs: dict[str, Any] = {"flavor": flavor, "hidden_act": act}
+    kwargs: dict[str, Any] = {"flavor": flavor, "hidden_act": act, "pooling": data.get("bertforge_pooling", "cls")}
     for ours, theirs in fields.items():
         if theirs in data and (data[theirs] is not None or ours == "classifier_dropout"):
             kwargs[ours] = data[theirs]
@@ -199,6 +202,8 @@ def config_to_hf(cfg: ModelConfig, head: str, id2label: dict[int, str] | None = 
         out["label2id"] = {v: k for k, v in sorted(labels.items())}
         if len(labels) == 1:
             out["problem_type"] = "regression"
+        if cfg.pooling != "cls":
+            out["bertforge_pooling"] = cfg.pooling  # transformers' own heads always pool [CLS]
     return out
 
 
@@ -364,24 +369,26 @@ def load_pretrained(
     need_tokenizer: bool = True,
     dtype: str | None = None,
     seed: int = 0,
+    overrides: dict[str, Any] | None = None,
 ) -> Pretrained:
-    """Load a Hugging Face BERT/RoBERTa folder (or hub id) into a bertforge model.
+    """Load a Hugging Face BERT/RoBERTa folder (or hub id, or a bertforge pretraining run) into a bertforge model.
 
     head None takes the head that config.json names (a bare encoder gets the MLM head). With `require_head` a
     checkpoint without that head's weights is an error; otherwise the head starts fresh and is listed.
+    `overrides` replaces ModelConfig fields that do not change the weights' shapes (dropout, pooling, dtype).
     """
     folder = resolve(name)
+    overrides = dict(overrides or {})
+    if dtype is not None:
+        overrides["dtype"] = dtype
     from bertforge.tasks.export import is_run, load_run
 
     if is_run(folder):
-        if head not in (None, "mlm"):
-            raise UserError(f"{folder}: a pretraining run has a masked-LM head; export it first")
-        return load_run(folder)
+        return _from_run(load_run(folder), head, require_head, num_labels, seed, overrides)
     data = _read_config(folder)
     source = str(folder / "config.json")
     cfg, info = config_from_hf(data, source)
-    if dtype is not None:
-        cfg = dataclasses.replace(cfg, dtype=dtype)
+    cfg = _with_overrides(cfg, overrides, source)
     head = head or info.head or "mlm"
     if head not in HEADS:
         raise ValueError(f"unknown head {head!r}")
@@ -404,6 +411,34 @@ def load_pretrained(
         kind = "masked-LM" if head == "mlm" else "sequence-classification"
         raise UserError(f"{folder}: has no {kind} head weights (missing {missing[0]}); is it the right model?")
     return Pretrained(model, tokenizer, head, id2label, info.problem_type, folder, missing)
+
+
+def _with_overrides(cfg: ModelConfig, overrides: dict[str, Any], source: str) -> ModelConfig:
+    try:
+        return dataclasses.replace(cfg, **overrides)
+    except (TypeError, ValueError) as e:
+        raise UserError(f"{source}: {e}") from None
+
+
+def _from_run(
+    pre: Pretrained, head: str | None, require_head: bool, num_labels: int | None, seed: int, overrides: dict
+) -> Pretrained:
+    """A pretraining run's model; under a sequence head, its encoder with a fresh head."""
+    cfg = _with_overrides(pre.model.config, overrides, str(pre.folder))
+    if head in (None, "mlm"):
+        if overrides:
+            model = build(cfg, "mlm", seed=seed)
+            nnx.update(model, nnx.state(pre.model, nnx.Param))
+            pre = dataclasses.replace(pre, model=model)
+        return pre
+    if require_head:
+        raise UserError(f"{pre.folder}: a pretraining run has a masked-LM head, not a sequence head")
+    n = num_labels or 1
+    model = build(cfg, "sequence", num_labels=n, seed=seed)
+    nnx.update(model.encoder, nnx.state(pre.model.encoder, nnx.Param))
+    missing = [row.hf for row in key_table(cfg, "sequence") if row.head]
+    id2label = {i: f"LABEL_{i}" for i in range(n)}
+    return Pretrained(model, pre.tokenizer, "sequence", id2label, None, pre.folder, missing)
 
 
 def save_pretrained(

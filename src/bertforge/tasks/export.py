@@ -51,7 +51,7 @@ def load_run(run: str | Path, which: str = "latest") -> Pretrained:
     cfg = from_dict(PretrainConfig, read_yaml(run / "config.yaml"))
     model = build(cfg.model, "mlm", seed=cfg.train.seed)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    tx = make_optimizer(cfg.optim)
+    tx = make_optimizer(cfg.optim, params, cfg.model.num_layers)
     target = TrainState(jnp.int32(0), params, jax.eval_shape(tx.init, params))
     checkpoints = Checkpoints(run / "checkpoints")
     try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -14,28 +14,11 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from bertforge.data import tabular
+from bertforge.data.batching import BUCKET, bucket_length, by_length, pad_batch
 from bertforge.errors import UserError
 from bertforge.model.bert import MaskedLM, SequenceClassifier
 from bertforge.model.hf import Pretrained, load_pretrained
 from bertforge.tokenizer import TRUNCATIONS, BertTokenizer, Encoded
-
-BUCKET = 32  # pad batches to a multiple of this, so only a few shapes are ever compiled
-
-
-def pad_batch(encs: Sequence[Encoded], pad_id: int, length: int) -> dict[str, np.ndarray]:
-    """Right-pad encodings to `length`: input_ids, attention_mask, token_type_ids, each (B, T) int32."""
-    b = len(encs)
-    ids = np.full((b, length), pad_id, np.int32)
-    mask = np.zeros((b, length), np.int32)
-    types = np.zeros((b, length), np.int32)
-    for i, e in enumerate(encs):
-        n = len(e.ids)
-        ids[i, :n], mask[i, :n], types[i, :n] = e.ids, 1, e.type_ids
-    return {"input_ids": ids, "attention_mask": mask, "token_type_ids": types}
-
-
-def bucket_length(n: int, limit: int, bucket: int = BUCKET) -> int:
-    return min(limit, -(-n // bucket) * bucket)
 
 
 # ------------------------------------------------------------------------------------------------------ fill-mask
@@ -105,15 +88,15 @@ class PredictConfig:
     model: str
     data: str
     out: str
-    text_column: str = "text"
+    text_column: str | None = None  # default: the fine-tuning run's, else 'text'
     text_pair_column: str | None = None
     id_column: str | None = None  # kept in the output; 'id' is kept when present and this is unset
     batch_size: int = 32
-    max_length: int | None = None
-    truncation: str = "head"
+    max_length: int | None = None  # default: the fine-tuning run's, else the model's
+    truncation: str | None = None  # default: the fine-tuning run's, else 'head'
 
     def __post_init__(self) -> None:
-        if self.truncation not in TRUNCATIONS:
+        if self.truncation is not None and self.truncation not in TRUNCATIONS:
             raise ValueError(f"truncation {self.truncation!r} is not one of {', '.join(TRUNCATIONS)}")
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {self.batch_size}")
@@ -122,6 +105,35 @@ class PredictConfig:
 @nnx.jit
 def _sequence_outputs(model: SequenceClassifier, ids, mask, types):
     return model(ids, mask, types)
+
+
+def outputs_by_length(
+    forward: Callable[[dict[str, Any]], Any],
+    encs: Sequence[Encoded],
+    pad_id: int,
+    batch_size: int,
+    limit: int,
+    bucket: int = BUCKET,
+    progress: bool = False,
+) -> np.ndarray:
+    """forward(batch) -> (B, L) over all encodings, in input order.
+
+    Texts are sorted by length, longest first, and batched with little padding; every batch has `batch_size` rows
+    (the last is filled with padding rows), so a model compiles once per bucket length.
+    """
+    out: np.ndarray | None = None
+    bar = tqdm(total=len(encs), desc="predict", unit="text", disable=not progress, file=sys.stderr)
+    for idx in by_length(np.array([len(e.ids) for e in encs]), batch_size):
+        chunk = [encs[i] for i in idx]
+        batch = pad_batch(chunk, pad_id, bucket_length(max(len(e.ids) for e in chunk), limit, bucket), batch_size)
+        values = np.asarray(forward(batch))[: len(idx)]
+        if out is None:
+            out = np.zeros((len(encs), values.shape[1]), np.float32)
+        out[idx] = values
+        bar.update(len(idx))
+    bar.close()
+    assert out is not None
+    return out
 
 
 def predict_outputs(
@@ -133,47 +145,75 @@ def predict_outputs(
     truncation: str = "head",
     progress: bool = True,
 ) -> np.ndarray:
-    """(N, L) float32 outputs of a sequence model: values for regression (L == 1), logits otherwise.
-
-    Texts are sorted by length and batched with little padding; outputs come back in input order.
-    """
+    """(N, L) float32 outputs of a sequence model: values for regression (L == 1), logits otherwise."""
     if not isinstance(pre.model, SequenceClassifier):
         raise UserError(f"{pre.folder}: not a sequence-classification model")
     cfg = pre.model.config
     limit = min(max_length or cfg.max_seq_len, cfg.max_seq_len)
     encs = pre.tokenizer.encode_batch(texts, pairs, max_length=limit, truncation=truncation)
-    order = np.argsort([-len(e.ids) for e in encs], kind="stable")  # longest first: a memory error shows at once
     pre.model.eval()
-    out = np.zeros((len(encs), pre.model.num_labels), np.float32)
-    bar = tqdm(total=len(encs), desc="predict", unit="text", disable=not progress, file=sys.stderr)
-    for start in range(0, len(order), batch_size):
-        idx = order[start : start + batch_size]
-        chunk = [encs[i] for i in idx]
-        batch = pad_batch(chunk, pre.tokenizer.pad_id, bucket_length(max(len(e.ids) for e in chunk), limit))
-        out[idx] = np.asarray(_sequence_outputs(pre.model, *(jnp.asarray(v) for v in batch.values())))
-        bar.update(len(idx))
-    bar.close()
-    return out
+    forward = lambda b: _sequence_outputs(pre.model, *(jnp.asarray(b[k]) for k in INPUTS))  # noqa: E731
+    return outputs_by_length(forward, encs, pre.tokenizer.pad_id, batch_size, limit, progress=progress)
+
+
+INPUTS = ("input_ids", "attention_mask", "token_type_ids")
+
+
+def load_models(name: str) -> tuple[list[Pretrained], dict[str, Any]]:
+    """The model(s) behind `name`: a fine-tuning run gives its fold models (averaged by predict), with the run's
+    text settings; anything else is one model folder or hub id."""
+    from bertforge.tasks.finetune import fold_models
+
+    found = fold_models(name)
+    if found is not None:
+        folders, settings = found
+        return [load_pretrained(f, head="sequence", require_head=True) for f in folders], settings
+    return [load_pretrained(name, head="sequence", require_head=True)], {}
+
+
+def ensemble_outputs(
+    models: Sequence[Pretrained],
+    texts: Sequence[str],
+    pairs: Sequence[str] | None = None,
+    batch_size: int = 32,
+    max_length: int | None = None,
+    truncation: str = "head",
+    progress: bool = True,
+) -> np.ndarray:
+    """The mean of the models' outputs (one model: its outputs)."""
+    outs = [predict_outputs(m, texts, pairs, batch_size, max_length, truncation, progress) for m in models]
+    return np.mean(outs, axis=0).astype(np.float32)
 
 
 def predict_main(cfg: PredictConfig) -> np.ndarray:
-    pre = load_pretrained(cfg.model, head="sequence", require_head=True)
+    models, settings = load_models(cfg.model)
     columns, rows = tabular.read_table(cfg.data)
     if not rows:
         raise UserError(f"{cfg.data}: no rows")
-    texts = tabular.text_column(cfg.data, columns, rows, cfg.text_column)
-    pairs = tabular.text_column(cfg.data, columns, rows, cfg.text_pair_column) if cfg.text_pair_column else None
-    outputs = predict_outputs(pre, texts, pairs, cfg.batch_size, cfg.max_length, cfg.truncation)
+    text_column = cfg.text_column or settings.get("text_column") or "text"
+    pair_column = cfg.text_pair_column or settings.get("text_pair_column")
+    texts = tabular.text_column(cfg.data, columns, rows, text_column)
+    pairs = tabular.text_column(cfg.data, columns, rows, pair_column) if pair_column else None
+    max_length = cfg.max_length or settings.get("max_length")
+    truncation = cfg.truncation or settings.get("truncation") or "head"
+    outputs = ensemble_outputs(models, texts, pairs, cfg.batch_size, max_length, truncation)
     id_column = cfg.id_column or ("id" if "id" in columns else None)
     if id_column is not None and id_column not in columns:
         raise UserError(f"{cfg.data}: no column '{id_column}' (columns: {', '.join(columns)})")
     ids = [[row.get(id_column)] for row in rows] if id_column else [[] for _ in rows]
-    if pre.model.num_labels == 1:
-        header = [*([id_column] if id_column else []), "prediction"]
-        body = [[*i, f"{o[0]:.7g}"] for i, o in zip(ids, outputs, strict=True)]
+    first = models[0]
+    task = settings.get("task") or ("regression" if first.model.num_labels == 1 else "classification")
+    names = [first.id2label.get(j, str(j)) for j in range(first.model.num_labels)]
+    head = [id_column] if id_column else []
+    if task == "regression":
+        cols = ["prediction"] if len(names) == 1 else [f"prediction_{n}" for n in settings.get("targets", names)]
+        header = [*head, *cols]
+        body = [[*i, *(f"{x:.7g}" for x in o)] for i, o in zip(ids, outputs, strict=True)]
+    elif task == "multilabel":
+        header = [*head, *(f"logit_{n}" for n in names)]
+        body = [[*i, *(f"{x:.7g}" for x in o)] for i, o in zip(ids, outputs, strict=True)]
     else:
-        labels = [pre.id2label.get(j, str(j)) for j in range(pre.model.num_labels)]
-        header = [*([id_column] if id_column else []), "label", *(f"logit_{name}" for name in labels)]
-        body = [[*i, labels[int(np.argmax(o))], *(f"{x:.7g}" for x in o)] for i, o in zip(ids, outputs, strict=True)]
+        header = [*head, "label", *(f"logit_{n}" for n in names)]
+        body = [[*i, names[int(np.argmax(o))], *(f"{x:.7g}" for x in o)] for i, o in zip(ids, outputs, strict=True)]
     tabular.write_csv(cfg.out, header, body)
     return outputs

@@ -34,7 +34,7 @@ from bertforge.train import loop
 from bertforge.train.checkpoint import Checkpoints, RunLock
 from bertforge.train.logging import MetricsLog
 from bertforge.train.optim import OptimConfig, learning_rate, make_optimizer, warmup_fraction
-from bertforge.train.step import StepConfig, TrainState, eval_sums, prediction_capacity, train_step
+from bertforge.train.step import StepConfig, TrainState, eval_sums, new_train_state, prediction_capacity, train_step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,23 +119,24 @@ def _suggest_batches(batch: int, multiple: int) -> str:
     return f"{lower} or {lower + multiple}"
 
 
-def _mesh(cfg: PretrainConfig) -> jax.sharding.Mesh:
+def build_mesh(cfg: MeshConfig, global_batch: int, grad_accum: int, batch_key: str) -> jax.sharding.Mesh:
+    """The device mesh of `cfg`; the micro-batch (global_batch / grad_accum) must split over its batch shards."""
     devices = jax.devices()
-    if cfg.mesh.num_devices:
-        if cfg.mesh.num_devices > len(devices):
-            raise UserError(f"mesh.num_devices={cfg.mesh.num_devices} but there are {len(devices)} devices")
-        devices = devices[: cfg.mesh.num_devices]
+    if cfg.num_devices:
+        if cfg.num_devices > len(devices):
+            raise UserError(f"mesh.num_devices={cfg.num_devices} but there are {len(devices)} devices")
+        devices = devices[: cfg.num_devices]
     try:
-        mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices)
+        mesh = make_mesh(cfg.data, cfg.fsdp, cfg.tensor, devices)
     except ValueError as e:
         raise UserError(f"config 'mesh': {e}") from None
     shards = mesh.shape["data"] * mesh.shape["fsdp"]
-    micro = cfg.train.global_batch // cfg.train.grad_accum
+    micro = global_batch // grad_accum
     if micro % shards:
         raise UserError(
-            f"train.global_batch={cfg.train.global_batch} with train.grad_accum={cfg.train.grad_accum} gives "
-            f"micro-batches of {micro}, which do not split over {shards} devices (mesh data x fsdp); use "
-            f"global_batch {_suggest_batches(cfg.train.global_batch, shards * cfg.train.grad_accum)}"
+            f"{batch_key}={global_batch} with grad_accum={grad_accum} gives micro-batches of {micro}, which do not "
+            f"split over {shards} devices (mesh data x fsdp); use {batch_key} "
+            f"{_suggest_batches(global_batch, shards * grad_accum)}"
         )
     return mesh
 
@@ -235,7 +236,7 @@ def _main(cfg: PretrainConfig, run_dir: Path, resume: str, vocab_given: bool) ->
         valid_shards = None
     cfg = dataclasses.replace(cfg, model=model_cfg)
 
-    mesh = _mesh(cfg)
+    mesh = build_mesh(cfg.mesh, cfg.train.global_batch, cfg.train.grad_accum, "train.global_batch")
     loader = BatchLoader(train_shards, cfg.train.global_batch, seed=cfg.data.seed, sharding=batch_sharding(mesh))
     seq_len = train_shards.seq_len
     steps = total_steps(cfg.train, loader.batches_per_epoch, seq_len)
@@ -251,14 +252,8 @@ def _main(cfg: PretrainConfig, run_dir: Path, resume: str, vocab_given: bool) ->
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     shardings = param_shardings(model, mesh)
     params = jax.device_put(params, shardings)
-    tx = make_optimizer(cfg.optim)
-    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    # Moments follow their parameters' layout; scalars (step counts, learning rate) are replicated.
-    opt_state = jax.tree.map(
-        lambda x: x if getattr(x.sharding, "mesh", None) == mesh else jax.device_put(x, replicated),
-        jax.jit(tx.init)(params),
-    )
-    state = TrainState(jax.device_put(jnp.int32(0), replicated), params, opt_state)
+    tx = make_optimizer(cfg.optim, params, model_cfg.num_layers)
+    state = new_train_state(params, tx, mesh)
     state_shardings = jax.tree.map(lambda x: x.sharding, state)
 
     run_dir.mkdir(parents=True, exist_ok=True)

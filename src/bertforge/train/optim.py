@@ -30,6 +30,8 @@ class OptimConfig:
     end_lr_ratio: float = 0.0  # final lr = lr * end_lr_ratio
     power: float = 1.0  # polynomial decay power (fairseq's polynomial_decay)
     clip_norm: float | None = 1.0
+    layer_decay: float = 1.0  # layer-wise lr decay: layer i of L gets lr * decay^(L-1-i), embeddings decay^L
+    head_lr: float | None = None  # the task head's lr (default: lr), scaled by the same schedule
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -42,6 +44,10 @@ class OptimConfig:
             raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
         if self.clip_norm is not None and self.clip_norm <= 0:
             raise ValueError(f"clip_norm must be positive or null, got {self.clip_norm}")
+        if not 0 < self.layer_decay <= 1:
+            raise ValueError(f"layer_decay must be in (0, 1], got {self.layer_decay}")
+        if self.head_lr is not None and self.head_lr <= 0:
+            raise ValueError(f"head_lr must be positive or null, got {self.head_lr}")
 
 
 def learning_rate(cfg: OptimConfig, progress: float, warmup: float) -> float:
@@ -66,31 +72,62 @@ def warmup_fraction(cfg: OptimConfig, total_steps: int | None) -> float:
     return cfg.warmup_fraction
 
 
+def _names(path: tuple) -> list[str]:
+    return [str(getattr(p, "key", getattr(p, "name", p))) for p in path]
+
+
 def decay_mask(params: Any) -> Any:
     """True for matrices and embeddings; biases and LayerNorm scales take no weight decay (BERT, RoBERTa)."""
 
     def is_decayed(path: tuple, _: Any) -> bool:
         # Leaves of an nnx.State sit under the Variable's own node: take the last name that is a parameter's.
-        names = [str(getattr(p, "key", getattr(p, "name", p))) for p in path]
-        names = [n for n in names if n not in ("value", "raw_value", "_raw_value")]
+        names = [n for n in _names(path) if n not in ("value", "raw_value", "_raw_value")]
         return bool(names) and names[-1] in ("kernel", "embedding")
 
     return jax.tree_util.tree_map_with_path(is_decayed, params)
 
 
-def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
-    """clip -> AdamW, with the learning rate an injected hyperparameter set each step."""
+def lr_multipliers(cfg: OptimConfig, params: Any, num_layers: int) -> Any:
+    """Per-parameter factors on the learning rate: layer-wise decay in the encoder, head_lr / lr in the heads."""
+    head = (cfg.head_lr or cfg.lr) / cfg.lr
+
+    def factor(path: tuple, _: Any) -> float:
+        names = _names(path)
+        if "encoder" not in names:
+            return head
+        if "layers" in names:
+            depth = int(names[names.index("layers") + 1])
+            return cfg.layer_decay ** (num_layers - 1 - depth)
+        return cfg.layer_decay**num_layers  # embeddings
+
+    return jax.tree_util.tree_map_with_path(factor, params)
+
+
+def _scale_by_tree(factors: Any) -> optax.GradientTransformation:
+    # Scaling AdamW's whole update (step and decoupled decay) by m is AdamW with learning rate lr * m.
+    return optax.GradientTransformation(
+        lambda params: optax.EmptyState(),
+        lambda updates, state, params=None: (jax.tree.map(lambda u, m: u * m, updates, factors), state),
+    )
+
+
+def make_optimizer(cfg: OptimConfig, params: Any = None, num_layers: int = 0) -> optax.GradientTransformation:
+    """clip -> AdamW, with the learning rate an injected hyperparameter set each step; then per-parameter lr
+    factors when layer_decay or head_lr ask for them (which needs `params` and `num_layers`)."""
     adamw = optax.inject_hyperparams(optax.adamw, static_args=("mask",))(
         learning_rate=cfg.lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=decay_mask
     )
-    if cfg.clip_norm is None:
-        return optax.chain(optax.identity(), adamw)
-    return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), adamw)
+    clip = optax.identity() if cfg.clip_norm is None else optax.clip_by_global_norm(cfg.clip_norm)
+    if cfg.layer_decay == 1.0 and cfg.head_lr in (None, cfg.lr):
+        return optax.chain(clip, adamw)
+    if params is None:
+        raise ValueError("layer_decay and head_lr need the parameters")
+    return optax.chain(clip, adamw, _scale_by_tree(lr_multipliers(cfg, params, num_layers)))
 
 
 def set_learning_rate(opt_state: Any, lr: jax.Array) -> Any:
-    """The optimizer state with this step's learning rate (the state is (clip, injected adamw))."""
-    clip_state, adam_state = opt_state
+    """The optimizer state with this step's learning rate (the state is (clip, injected adamw[, factors]))."""
+    adam_state = opt_state[1]
     hyper = dict(adam_state.hyperparams)
     hyper["learning_rate"] = lr
-    return (clip_state, adam_state._replace(hyperparams=hyper))
+    return (opt_state[0], adam_state._replace(hyperparams=hyper), *opt_state[2:])

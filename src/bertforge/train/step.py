@@ -28,6 +28,16 @@ class TrainState(NamedTuple):
     opt_state: Any
 
 
+def new_train_state(params: Any, tx: Any, mesh: jax.sharding.Mesh) -> TrainState:
+    """Step 0 with the optimizer's moments laid out like their parameters and its scalars replicated."""
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    opt_state = jax.tree.map(
+        lambda x: x if getattr(x.sharding, "mesh", None) == mesh else jax.device_put(x, replicated),
+        jax.jit(tx.init)(params),
+    )
+    return TrainState(jax.device_put(jnp.int32(0), replicated), params, opt_state)
+
+
 @dataclasses.dataclass(frozen=True)
 class StepConfig:
     masking: MaskingSpec
@@ -105,6 +115,38 @@ def _masked_batch(key: jax.Array, ids: jax.Array, cfg: StepConfig) -> tuple[jax.
     return inputs, labels
 
 
+def accumulate(grad_fn: Any, params: Any, xs: Any) -> tuple[Any, Any]:
+    """Sum grad_fn(params, x) -> (aux, grads) over the leading axis of xs (the micro-batches): (grads, aux sums)."""
+
+    def micro(carry: tuple, x: Any) -> tuple[tuple, None]:
+        aux, grads = grad_fn(params, x)
+        return jax.tree.map(jnp.add, carry, (grads, aux)), None
+
+    shapes = jax.eval_shape(grad_fn, params, jax.tree.map(lambda a: a[0], xs))
+    zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), (shapes[1], shapes[0]))
+    (grads, aux), _ = jax.lax.scan(micro, zeros, xs)
+    return grads, aux
+
+
+def apply_update(
+    state: TrainState, grads: Any, loss: jax.Array, lr: jax.Array, tx: Any
+) -> tuple[TrainState, jax.Array, jax.Array]:
+    """One optimizer update; a non-finite loss or gradient leaves the state as it was. -> (state, norm, finite)."""
+    grad_norm = optax.global_norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+
+    def update() -> TrainState:
+        opt_state = set_learning_rate(state.opt_state, lr)
+        updates, new_opt_state = tx.update(grads, opt_state, state.params)
+        return TrainState(state.step + 1, optax.apply_updates(state.params, updates), new_opt_state)
+
+    def skip() -> TrainState:
+        return TrainState(state.step + 1, state.params, state.opt_state)
+
+    # A branch, not an element-wise select of old and new, so that no second copy of every buffer is made.
+    return jax.lax.cond(finite, update, skip), grad_norm, finite
+
+
 def train_step(
     graphdef: Any, rest: Any, state: TrainState, ids: jax.Array, lr: jax.Array, key: jax.Array, tx: Any, cfg: StepConfig
 ) -> tuple[TrainState, dict[str, jax.Array]]:
@@ -114,29 +156,19 @@ def train_step(
     inputs, labels = _masked_batch(mask_key, ids, cfg)
     total = jnp.maximum(jnp.sum(labels != IGNORE), 1).astype(jnp.float32)
 
-    def loss_fn(params: Any, x: jax.Array, y: jax.Array, k: jax.Array) -> tuple[jax.Array, tuple]:
-        model = nnx.merge(graphdef, params, with_dropout_key(rest, k))
-        loss_sum, correct, count = mlm_sums(model, x, y, cfg)
-        return loss_sum / total, (correct, count)
-
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-
-    def micro(carry: tuple, xs: tuple) -> tuple[tuple, None]:
-        grads, loss, correct = carry
+    def loss_fn(params: Any, xs: tuple) -> tuple[jax.Array, jax.Array]:
         x, y, k = xs
-        (l_k, (c_k, _)), g_k = grad_fn(state.params, x, y, k)
-        return (jax.tree.map(jnp.add, grads, g_k), loss + l_k, correct + c_k), None
+        model = nnx.merge(graphdef, params, with_dropout_key(rest, k))
+        loss_sum, correct, _ = mlm_sums(model, x, y, cfg)
+        return loss_sum / total, correct
+
+    def grad_fn(params: Any, xs: tuple) -> tuple[tuple, Any]:
+        (loss, correct), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, xs)
+        return (loss, correct), grads
 
     keys = jax.random.split(dropout_key, cfg.grad_accum)
-    zeros = jax.tree.map(jnp.zeros_like, state.params)
-    (grads, loss, correct), _ = jax.lax.scan(micro, (zeros, jnp.float32(0), jnp.float32(0)), (inputs, labels, keys))
-    grad_norm = optax.global_norm(grads)
-    opt_state = set_learning_rate(state.opt_state, lr)
-    updates, new_opt_state = tx.update(grads, opt_state, state.params)
-    new_params = optax.apply_updates(state.params, updates)
-    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
-    new_state = TrainState(state.step + 1, keep(new_params, state.params), keep(new_opt_state, state.opt_state))
+    grads, (loss, correct) = accumulate(grad_fn, state.params, (inputs, labels, keys))
+    new_state, grad_norm, finite = apply_update(state, grads, loss, lr, tx)
     metrics = {"loss": loss, "accuracy": correct / total, "grad_norm": grad_norm, "predictions": total}
     metrics["finite"] = finite
     return new_state, metrics

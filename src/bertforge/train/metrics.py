@@ -1,0 +1,92 @@
+"""Validation metrics of fine-tuning, on host numpy arrays: regression and classification."""
+
+from __future__ import annotations
+
+import numpy as np
+
+# name -> True when larger is better
+HIGHER_IS_BETTER = {
+    "rmse": False,
+    "mae": False,
+    "pearson": True,
+    "spearman": True,
+    "accuracy": True,
+    "f1": True,
+    "auc": True,
+    "loss": False,
+}
+
+
+def _ranks(x: np.ndarray) -> np.ndarray:
+    """Ranks from 1, ties sharing their average rank (what Spearman's correlation needs)."""
+    order = np.argsort(x, kind="stable")
+    ranks = np.empty(len(x), np.float64)
+    ranks[order] = np.arange(1, len(x) + 1)
+    values, inverse = np.unique(x, return_inverse=True)
+    sums = np.bincount(inverse, weights=ranks)
+    counts = np.bincount(inverse)
+    return (sums / counts)[inverse]
+
+
+def _pearson(a: np.ndarray, b: np.ndarray) -> float:
+    a, b = a - a.mean(), b - b.mean()
+    denom = np.sqrt((a * a).sum() * (b * b).sum())
+    return float((a * b).sum() / denom) if denom > 0 else float("nan")
+
+
+def regression(pred: np.ndarray, target: np.ndarray) -> dict[str, float]:
+    """pred, target (N,) or (N, L): RMSE and MAE over all values; correlations averaged over the L outputs."""
+    pred, target = np.asarray(pred, np.float64).reshape(len(pred), -1), np.asarray(target, np.float64)
+    target = target.reshape(pred.shape)
+    err = pred - target
+    cols = range(pred.shape[1])
+    return {
+        "rmse": float(np.sqrt(np.mean(err**2))),
+        "mae": float(np.mean(np.abs(err))),
+        "pearson": float(np.mean([_pearson(pred[:, j], target[:, j]) for j in cols])),
+        "spearman": float(np.mean([_pearson(_ranks(pred[:, j]), _ranks(target[:, j])) for j in cols])),
+    }
+
+
+def binary_auc(score: np.ndarray, positive: np.ndarray) -> float:
+    """Area under the ROC curve: the chance that a positive outranks a negative (Mann-Whitney U)."""
+    positive = np.asarray(positive, bool)
+    n_pos, n_neg = int(positive.sum()), int((~positive).sum())
+    if n_pos == 0 or n_neg == 0:
+        return float("nan")
+    ranks = _ranks(np.asarray(score, np.float64))
+    return float((ranks[positive].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
+
+
+def _f1(pred: np.ndarray, positive: np.ndarray) -> float:
+    tp = float(np.sum(pred & positive))
+    fp, fn = float(np.sum(pred & ~positive)), float(np.sum(~pred & positive))
+    return 2 * tp / (2 * tp + fp + fn) if tp + fp + fn > 0 else 0.0
+
+
+def classification(logits: np.ndarray, labels: np.ndarray) -> dict[str, float]:
+    """logits (N, C), integer labels (N,): accuracy; F1 of class 1 (C == 2) or macro F1; AUC (one-vs-rest)."""
+    logits, labels = np.asarray(logits, np.float64), np.asarray(labels)
+    pred = np.argmax(logits, axis=1)
+    c = logits.shape[1]
+    if c == 2:
+        f1 = _f1(pred == 1, labels == 1)
+        auc = binary_auc(logits[:, 1] - logits[:, 0], labels == 1)
+    else:
+        f1 = float(np.mean([_f1(pred == j, labels == j) for j in range(c)]))
+        aucs = [binary_auc(logits[:, j], labels == j) for j in range(c)]
+        auc = float(np.nanmean(aucs)) if not np.all(np.isnan(aucs)) else float("nan")
+    return {"accuracy": float(np.mean(pred == labels)), "f1": f1, "auc": auc}
+
+
+def multilabel(logits: np.ndarray, labels: np.ndarray) -> dict[str, float]:
+    """logits and 0/1 labels (N, L): exact-match accuracy, macro F1 at p=0.5, macro AUC."""
+    logits, labels = np.asarray(logits, np.float64), np.asarray(labels) > 0.5
+    pred = logits > 0
+    cols = range(logits.shape[1])
+    aucs = [binary_auc(logits[:, j], labels[:, j]) for j in cols]
+    return {
+        "accuracy": float(np.mean(np.all(pred == labels, axis=1))),
+        "f1": float(np.mean([_f1(pred[:, j], labels[:, j]) for j in cols])),
+        "auc": float(np.nanmean(aucs)) if not np.all(np.isnan(aucs)) else float("nan"),
+    }
