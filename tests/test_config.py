@@ -11,11 +11,13 @@ from bertforge.config import from_dict, load_config, parse_overrides
 from bertforge.errors import UserError
 from bertforge.model.bert import ModelConfig
 from bertforge.model.presets import PRESETS
+from bertforge.tasks.finetune import FinetuneConfig
 from bertforge.tasks.init import InitConfig
 from bertforge.tasks.pretrain import PretrainConfig
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
-SCHEMAS = {"init": InitConfig, "pretrain": PretrainConfig}  # configs/<stage>/*.yaml -> the stage's config class
+# configs/<stage>/*.yaml -> the stage's config class
+SCHEMAS = {"init": InitConfig, "pretrain": PretrainConfig, "finetune": FinetuneConfig}
 
 
 def shipped_configs():

@@ -1,0 +1,391 @@
+"""Fine-tuning: folds, metrics, batching, the step, and `bertforge finetune` / `predict` end to end."""
+
+from __future__ import annotations
+
+import csv
+import functools
+import json
+import logging
+import random
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from bertforge.cli import main as cli
+from bertforge.data.batching import epoch_batches
+from bertforge.data.folds import assign_folds, bin_targets, sturges_bins
+from bertforge.model.bert import build
+from bertforge.model.hf import load_pretrained, save_pretrained
+from bertforge.model.presets import preset
+from bertforge.parallel import make_mesh
+from bertforge.tokenizer import BertTokenizer
+from bertforge.train import metrics
+from bertforge.train.optim import OptimConfig, make_optimizer
+from bertforge.train.sequence_step import SequenceStepConfig, predict_step, train_step
+from bertforge.train.step import new_train_state
+
+
+# ------------------------------------------------------------------------------------------------------ data
+def write_table(path: Path, rows: list[dict], columns: list[str] | None = None) -> Path:
+    columns = columns or list(rows[0])
+    with open(path, "w", newline="", encoding="utf-8") as fh:
+        writer = csv.DictWriter(fh, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(rows)
+    return path
+
+
+def river_rows(n: int, seed: int = 0) -> list[dict]:
+    """Texts of 'river' and 'city'; the target is 4x the share of 'river': learnable from the words alone."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        q, k = rng.random(), rng.randint(3, 40)
+        words = ["river" if rng.random() < q else "city" for _ in range(k)]
+        rows.append({"id": f"r{i}", "text": " ".join(words), "target": 4 * words.count("river") / k})
+    return rows
+
+
+@pytest.fixture(scope="session")
+def model_dir(wordpiece_dir, tmp_path_factory) -> Path:
+    """The `test` preset, freshly initialised, without dropout, with the test tokenizer."""
+    tok = BertTokenizer.load(wordpiece_dir)
+    cfg = preset("test", vocab_size=tok.vocab_size, hidden_dropout=0.0, attention_dropout=0.0)
+    return save_pretrained(build(cfg, "mlm"), tmp_path_factory.mktemp("model") / "test-bert", tok)
+
+
+FAST = ["--optim.lr=3e-3", "--train.batch_size=16", "--mesh.num_devices=1", "--train.evals_per_epoch=1",
+        "--log.progress=false"]  # fmt: skip
+
+
+def finetune(model_dir: Path, data: Path, out: Path, *extra: str) -> int:
+    return cli(["finetune", "--model", str(model_dir), "--data", str(data), "--out", str(out), *FAST, *extra])
+
+
+# ------------------------------------------------------------------------------------------------------ folds
+def test_class_folds_are_disjoint_cover_every_row_and_are_stratified():
+    rng = np.random.default_rng(0)
+    labels = rng.choice(4, size=503, p=[0.55, 0.3, 0.1, 0.05])
+    folds = assign_folds(len(labels), 5, seed=3, strata=labels)
+    assert set(folds.tolist()) == set(range(5))  # every row has exactly one fold in range
+    sizes = np.bincount(folds)
+    assert sizes.max() - sizes.min() <= 1
+    for c in range(4):
+        per_fold = np.bincount(folds[labels == c], minlength=5)
+        assert per_fold.max() - per_fold.min() <= 1, (c, per_fold)
+    assert np.array_equal(folds, assign_folds(len(labels), 5, seed=3, strata=labels))
+    assert not np.array_equal(folds, assign_folds(len(labels), 5, seed=4, strata=labels))
+
+
+def test_regression_strata_are_pandas_cut_bins_by_sturges_rule():
+    pd = pytest.importorskip("pandas")
+    values = np.random.default_rng(1).normal(size=2834)
+    bins = sturges_bins(len(values))
+    assert bins == int(np.floor(1 + np.log2(2834)))
+    expected = pd.cut(values, bins=bins, labels=False)
+    assert np.array_equal(bin_targets(values, bins), expected)
+    folds = assign_folds(len(values), 5, seed=0, strata=bin_targets(values, bins))
+    for b in range(bins):
+        per_fold = np.bincount(folds[expected == b], minlength=5)
+        assert per_fold.max() - per_fold.min() <= 1
+
+
+def test_grouped_folds_keep_each_group_in_one_fold():
+    rng = np.random.default_rng(2)
+    groups = rng.integers(0, 40, size=400).astype(str)
+    folds = assign_folds(len(groups), 4, seed=0, groups=groups)
+    for g in np.unique(groups):
+        assert len(set(folds[groups == g].tolist())) == 1
+    sizes = np.bincount(folds)
+    assert sizes.min() > 0.7 * sizes.max()
+
+
+# ------------------------------------------------------------------------------------------------------ metrics
+def test_metrics_match_scipy_and_sklearn():
+    stats = pytest.importorskip("scipy.stats")
+    skm = pytest.importorskip("sklearn.metrics")
+    rng = np.random.default_rng(0)
+    y = rng.normal(size=300)
+    p = y + rng.normal(scale=0.5, size=300)
+    p[:20] = np.round(p[:20])  # ties for the rank correlation
+    got = metrics.regression(p, y)
+    assert got["rmse"] == pytest.approx(np.sqrt(skm.mean_squared_error(y, p)), rel=1e-12)
+    assert got["mae"] == pytest.approx(skm.mean_absolute_error(y, p), rel=1e-12)
+    assert got["pearson"] == pytest.approx(stats.pearsonr(p, y)[0], rel=1e-9)
+    assert got["spearman"] == pytest.approx(stats.spearmanr(p, y)[0], rel=1e-9)
+
+    labels = rng.integers(0, 3, size=300)
+    logits = rng.normal(size=(300, 3)) + 1.5 * np.eye(3)[labels]
+    got = metrics.classification(logits, labels)
+    assert got["accuracy"] == pytest.approx(skm.accuracy_score(labels, logits.argmax(1)))
+    assert got["f1"] == pytest.approx(skm.f1_score(labels, logits.argmax(1), average="macro"))
+    assert got["auc"] == pytest.approx(skm.roc_auc_score(labels, logits, multi_class="ovr", average="macro"))
+    binary = labels % 2
+    two = np.stack([-logits[:, 1], logits[:, 1]], axis=1)
+    got = metrics.classification(two, binary)
+    assert got["f1"] == pytest.approx(skm.f1_score(binary, two.argmax(1)))
+    assert got["auc"] == pytest.approx(skm.roc_auc_score(binary, two[:, 1] - two[:, 0]))
+
+
+# ------------------------------------------------------------------------------------------------------ batching
+def test_epoch_batches_cover_every_row_once_group_lengths_and_start_with_the_longest():
+    lengths = np.random.default_rng(0).integers(10, 250, size=203)
+    for epoch in range(3):
+        batches = epoch_batches(lengths, 16, 32, seed=5, epoch=epoch)
+        rows = np.concatenate(batches)
+        assert sorted(rows.tolist()) == list(range(203))
+        assert all(len(b) == 16 for b in batches[:-1] if len(b) != 203 % 16)
+        assert lengths[batches[0]].max() == lengths.max()
+        spread = np.mean([np.ptp(lengths[b]) for b in batches])
+        assert spread < 40  # random batches spread over about 200 tokens
+        again = epoch_batches(lengths, 16, 32, 5, epoch)
+        assert all(np.array_equal(a, b) for a, b in zip(batches, again, strict=True))
+    assert not np.array_equal(epoch_batches(lengths, 16, 32, 5, 0)[1], epoch_batches(lengths, 16, 32, 5, 1)[1])
+
+
+# ------------------------------------------------------------------------------------------------------ the step
+def _batch(rng: np.random.Generator, b: int, t: int, real: int) -> dict[str, np.ndarray]:
+    mask = np.zeros((b, t), np.int32)
+    for i in range(real):
+        mask[i, : rng.integers(4, t + 1)] = 1
+    return {
+        "input_ids": np.where(mask, rng.integers(5, 900, (b, t)), 0).astype(np.int32),
+        "attention_mask": mask,
+        "token_type_ids": np.zeros((b, t), np.int32),
+        "targets": rng.normal(size=(b, 1)).astype(np.float32),
+        "weight": np.where(np.arange(b) < real, rng.uniform(0.5, 2.0, b), 0.0).astype(np.float32),
+    }
+
+
+def _state(pooling: str = "cls", **optim):
+    cfg = preset("test", hidden_dropout=0.0, attention_dropout=0.0, pooling=pooling)
+    model = build(cfg, "sequence", num_labels=1, seed=1)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    tx = make_optimizer(OptimConfig(**{"lr": 1e-3, "clip_norm": None, **optim}), params, cfg.num_layers)
+    return graphdef, rest, tx, new_train_state(params, tx, make_mesh(devices=jax.devices()[:1]))
+
+
+def test_loss_is_the_weighted_mean_over_real_rows_and_accumulation_gives_the_full_batch_update():
+    batch = _batch(np.random.default_rng(0), 8, 24, real=6)
+    graphdef, rest, tx, state = _state()
+    outputs = np.asarray(predict_step(graphdef, rest, state.params, batch))
+    expected = np.sum(batch["weight"] * (outputs[:, 0] - batch["targets"][:, 0]) ** 2) / 6
+    results = []
+    for accum in (1, 2, 4):
+        _, _, _, fresh = _state()
+        step = jax.jit(functools.partial(train_step, graphdef, rest, tx=tx, cfg=SequenceStepConfig("mse", accum)))
+        new, m = step(fresh, batch, jnp.float32(1e-3), jax.random.key(0))
+        assert float(m["loss"]) == pytest.approx(expected, rel=1e-5)
+        results.append(new.params)
+    for other in results[1:]:
+        diff = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), results[0], other)
+        assert max(jax.tree.leaves(diff)) < 1e-5
+
+
+def test_layer_decay_and_head_lr_scale_each_parameter_group():
+    batch = _batch(np.random.default_rng(1), 8, 16, real=8)
+    updates = {}
+    for name, optim in {"plain": {}, "decayed": {"layer_decay": 0.5, "head_lr": 4e-3}}.items():
+        graphdef, rest, tx, state = _state(weight_decay=0.0, **optim)
+        step = jax.jit(functools.partial(train_step, graphdef, rest, tx=tx, cfg=SequenceStepConfig("mse")))
+        new, _ = step(state, batch, jnp.float32(1e-3), jax.random.key(0))
+        updates[name] = jax.tree.map(lambda a, b: a - b, nnx.to_pure_dict(new.params), nnx.to_pure_dict(state.params))
+    plain, decayed = updates["plain"], updates["decayed"]
+
+    def ratio(*path):
+        a, b = plain, decayed
+        for p in path:
+            a, b = a[p], b[p]
+        return float(jnp.sum(b * a) / jnp.sum(a * a))
+
+    # Two layers: the top layer keeps lr, layer 0 gets 0.5, the embeddings 0.25; the head gets head_lr / lr = 4.
+    assert ratio("encoder", "layers", 1, "mlp_in", "kernel") == pytest.approx(1.0, rel=1e-4)
+    assert ratio("encoder", "layers", 0, "mlp_in", "kernel") == pytest.approx(0.5, rel=1e-4)
+    assert ratio("encoder", "embeddings", "norm", "scale") == pytest.approx(0.25, rel=1e-4)
+    assert ratio("head", "out", "kernel") == pytest.approx(4.0, rel=1e-4)
+
+
+def test_cls_head_computes_only_the_first_token_of_the_last_layer_exactly():
+    batch = _batch(np.random.default_rng(2), 4, 20, real=4)
+    model = build(preset("test"), "sequence", num_labels=3, seed=0)
+    model.eval()
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    full = model.encoder(ids, mask)[:, 0]
+    first = model.encoder(ids, mask, first_only=True)[:, 0]
+    np.testing.assert_allclose(np.asarray(first), np.asarray(full), atol=1e-6)
+
+
+def test_mean_and_attention_pooling_round_trip_through_a_saved_folder(tmp_path, wordpiece_dir):
+    tok = BertTokenizer.load(wordpiece_dir)
+    batch = _batch(np.random.default_rng(3), 4, 20, real=4)
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    for pooling in ("mean", "attention"):
+        model = build(preset("test", vocab_size=tok.vocab_size, pooling=pooling), "sequence", num_labels=2, seed=0)
+        model.eval()
+        if pooling == "mean":
+            hidden = np.asarray(model.encoder(ids, mask))
+            pooled = (hidden * mask[..., None]).sum(1) / mask.sum(1, keepdims=True)
+            np.testing.assert_allclose(np.asarray(model.head.pool(jnp.asarray(hidden), mask)), pooled, atol=1e-6)
+        back = load_pretrained(save_pretrained(model, tmp_path / pooling, tok), require_head=True)
+        assert back.model.config.pooling == pooling
+        back.model.eval()
+        np.testing.assert_array_equal(np.asarray(back.model(ids, mask)), np.asarray(model(ids, mask)))
+
+
+# ------------------------------------------------------------------------------------------------------ end to end
+def test_regression_learns_a_learnable_target_and_writes_its_outputs(model_dir, tmp_path, capsys):
+    data = write_table(tmp_path / "train.csv", river_rows(256))
+    out = tmp_path / "run"
+    code = finetune(model_dir, data, out, "--folds", "2", "--fold", "0", "--train.epochs=15", "--head.pooling=mean")
+    printed = capsys.readouterr().out
+    assert code == 0
+    summary = json.loads((out / "summary.json").read_text())
+    targets = np.array([r["target"] for r in river_rows(256)])
+    with open(out / "folds.csv") as fh:
+        folds = np.array([int(r["fold"]) for r in csv.DictReader(fh)])
+    baseline = targets[folds == 0].std()
+    assert summary["folds"][0]["score"] < 0.25 * baseline, (summary, baseline)
+    assert "| 0 |" in printed and "rmse" in printed
+    with open(out / "oof.csv") as fh:
+        oof = list(csv.DictReader(fh))
+    assert len(oof) == int((folds == 0).sum()) and set(oof[0]) == {"id", "fold", "target", "prediction"}
+    assert (out / "fold-0" / "model" / "model.safetensors").exists()
+    assert not (out / "fold-0" / "checkpoints").exists()
+
+
+def test_bucketed_batches_compile_one_train_step_per_bucket(model_dir, tmp_path, caplog):
+    rows = river_rows(96, seed=1)
+    data = write_table(tmp_path / "train.csv", rows)
+    tok = BertTokenizer.load(model_dir)
+    lengths = [len(e.ids) for e in tok.encode_batch([r["text"] for r in rows])]
+    buckets = {-(-n // 16) * 16 for n in lengths}
+    jax.config.update("jax_log_compiles", True)
+    try:
+        with caplog.at_level(logging.WARNING):
+            code = finetune(model_dir, data, tmp_path / "run", "--fold", "0", "--train.epochs=3", "--data.bucket=16")
+    finally:
+        jax.config.update("jax_log_compiles", False)
+    assert code == 0
+    messages = [r.getMessage() for r in caplog.records]
+    compiles = [m for m in messages if "Compiling" in m and "train_step" in m]
+    assert 2 <= len(compiles) <= len(buckets), (len(compiles), buckets)
+
+
+def test_predict_on_a_run_averages_the_best_fold_models(model_dir, tmp_path):
+    rows = river_rows(64, seed=2)
+    data = write_table(tmp_path / "train.csv", rows)
+    out = tmp_path / "run"
+    assert finetune(model_dir, data, out, "--folds", "2", "--train.epochs=2") == 0
+    texts = [r["text"] for r in rows]
+    per_fold = []
+    for f in (0, 1):
+        result = json.loads((out / f"fold-{f}" / "result.json").read_text())
+        pred = tmp_path / f"fold{f}.csv"
+        assert cli(["predict", "--model", str(out / f"fold-{f}" / "model"), "--data", str(data), "--out", str(pred),
+                    "--max-length", "256"]) == 0  # fmt: skip
+        with open(pred) as fh:
+            values = np.array([float(r["prediction"]) for r in csv.DictReader(fh)])
+        # The fold model is the best checkpoint: its predictions on the fold's rows are the out-of-fold outputs.
+        np.testing.assert_allclose(values[result["rows"]], np.array(result["outputs"])[:, 0], atol=1e-5)
+        per_fold.append(values)
+    pred = tmp_path / "run.csv"
+    assert cli(["predict", "--model", str(out), "--data", str(data), "--out", str(pred)]) == 0
+    with open(pred) as fh:
+        got = list(csv.DictReader(fh))
+    assert [r["id"] for r in got] == [r["id"] for r in rows]
+    np.testing.assert_allclose([float(r["prediction"]) for r in got], np.mean(per_fold, axis=0), atol=1e-5)
+    import bertforge
+
+    np.testing.assert_allclose(bertforge.predict(out, texts)[:, 0], np.mean(per_fold, axis=0), atol=1e-5)
+
+
+def test_finished_folds_are_kept_and_the_rest_run_when_the_command_is_repeated(model_dir, tmp_path, capsys):
+    data = write_table(tmp_path / "train.csv", river_rows(48, seed=3))
+    out = tmp_path / "run"
+    assert finetune(model_dir, data, out, "--folds", "2", "--fold", "0", "--train.epochs=1") == 0
+    first = (out / "fold-0" / "result.json").read_text()
+    capsys.readouterr()
+    assert finetune(model_dir, data, out, "--folds", "2", "--train.epochs=1") == 0
+    printed = capsys.readouterr().out
+    assert "fold 0:" not in printed and "fold 1:" in printed  # fold 0 was not trained again
+    assert (out / "fold-0" / "result.json").read_text() == first
+    assert len(json.loads((out / "summary.json").read_text())["folds"]) == 2
+
+
+def test_classification_and_multilabel_runs(model_dir, tmp_path):
+    rng = random.Random(4)
+    rows = []
+    for i in range(60):
+        cls = ["river", "city", "music"][i % 3]
+        words = [cls if rng.random() < 0.6 else rng.choice(["the", "of", "and"]) for _ in range(rng.randint(4, 20))]
+        rows.append({"id": i, "text": " ".join(words), "label": cls, "has_the": int("the" in words),
+                     "has_of": int("of" in words)})  # fmt: skip
+    data = write_table(tmp_path / "train.csv", rows)
+    out = tmp_path / "cls"
+    assert finetune(model_dir, data, out, "--task", "classification", "--target-column", "label", "--folds", "3",
+                    "--fold", "0", "--train.epochs=4") == 0  # fmt: skip
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["metric"] == "accuracy" and summary["folds"][0]["score"] > 0.6
+    with open(out / "oof.csv") as fh:
+        oof = list(csv.DictReader(fh))
+    assert {"target", "prediction", "logit_city", "logit_music", "logit_river"} <= set(oof[0])
+    out = tmp_path / "multi"
+    assert finetune(model_dir, data, out, "--task", "multilabel", "--target-column", "has_the,has_of", "--folds", "3",
+                    "--fold", "1", "--train.epochs=1") == 0  # fmt: skip
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["metric"] == "auc" and set(summary["out_of_fold"]) >= {"accuracy", "f1", "auc"}
+
+
+# ------------------------------------------------------------------------------------------------------ bad input
+def _refused(model_dir: Path, data: Path, out: Path, capsys, *extra: str) -> str:
+    code = finetune(model_dir, data, out, *extra)
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, err
+    assert not out.exists(), "nothing may be written for a refused run"
+    return err.strip().splitlines()[-1]
+
+
+def test_bad_tables_are_refused_naming_the_row_or_column(model_dir, tmp_path, capsys):
+    good = river_rows(12)
+    out = tmp_path / "run"
+    data = write_table(tmp_path / "a.csv", good)
+    assert "no column 'excerpt'" in _refused(model_dir, data, out, capsys, "--text-column", "excerpt")
+    rows = [dict(r) for r in good]
+    rows[2]["text"] = "  "
+    data = write_table(tmp_path / "b.csv", rows)
+    assert "row 3 has an empty text in column 'text'" in _refused(model_dir, data, out, capsys)
+    for bad, expected in (("nan", "row 2: column 'target' is 'nan'"), ("high", "row 2: column 'target' holds 'high'")):
+        rows = [dict(r) for r in good]
+        rows[1]["target"] = bad
+        data = write_table(tmp_path / f"c-{bad}.csv", rows)
+        assert expected in _refused(model_dir, data, out, capsys)
+    data = write_table(tmp_path / "d.csv", good[:3])
+    assert "3 rows cannot make 5 folds" in _refused(model_dir, data, out, capsys)
+
+
+def test_a_class_never_seen_in_training_is_refused(model_dir, tmp_path, capsys):
+    rows = [{"text": f"text number {i}", "label": "a" if i % 2 else "b"} for i in range(20)]
+    train = write_table(tmp_path / "train.csv", rows)
+    valid = write_table(tmp_path / "valid.csv", [*rows[:3], {"text": "something new", "label": "c"}])
+    err = _refused(model_dir, train, tmp_path / "run", capsys, "--task", "classification", "--target-column",
+                   "label", "--valid-data", str(valid))  # fmt: skip
+    assert "valid.csv: row 4: class 'c' in column 'label' never occurs in the training data" in err
+    lonely = write_table(tmp_path / "lonely.csv", [*rows, {"text": "only one", "label": "z"}])
+    err = _refused(model_dir, lonely, tmp_path / "run", capsys, "--task", "classification", "--target-column", "label")
+    assert "row 21: class 'z' is in the validation rows of fold" in err and "never in its training rows" in err
+
+
+def test_a_model_folder_without_a_tokenizer_is_refused(model_dir, tmp_path, capsys):
+    import shutil
+
+    bare = tmp_path / "bare"
+    shutil.copytree(model_dir, bare)
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt"):
+        (bare / name).unlink(missing_ok=True)
+    data = write_table(tmp_path / "a.csv", river_rows(12))
+    err = _refused(bare, data, tmp_path / "run", capsys)
+    assert str(bare) in err and "tokenizer" in err
