@@ -96,7 +96,7 @@ def run(
     step = start_step
     start = time.perf_counter() - elapsed_before
     pending: list[dict[str, Any]] = []
-    window_start, window_steps = time.perf_counter(), 0
+    window_start, window_steps, window_paused = time.perf_counter(), 0, 0.0
     last_lr = 0.0
     while not budget.done(step, time.perf_counter() - start):
         lr = lr_at(budget.progress(step, time.perf_counter() - start))
@@ -119,7 +119,7 @@ def run(
             _check_finite(pending, step)
         if boundary:
             fetched = jax.device_get(pending)
-            seconds = time.perf_counter() - window_start
+            seconds = time.perf_counter() - window_start - window_paused  # steps only, not evaluations
             record = {k: float(np.mean([m[k] for m in fetched])) for k in fetched[-1] if k != "finite"}
             record["lr"] = last_lr
             record["step_time"] = seconds / window_steps
@@ -129,12 +129,13 @@ def run(
                 record["mfu"] = flops_per_step * window_steps / seconds / peak_flops
             record["elapsed"] = time.perf_counter() - start
             log(step, record)
-            pending, window_start, window_steps = [], time.perf_counter(), 0
-        for hook in hooks:
-            if step % hook.every == 0:
-                extra = hook.fn(step, state)
-                if extra:
-                    log(step, extra)
+            pending, window_start, window_steps, window_paused = [], time.perf_counter(), 0, 0.0
+        hooks_start = time.perf_counter()  # the steps are done: _check_finite above waited for them
+        for hook in (h for h in hooks if step % h.every == 0):
+            extra = hook.fn(step, state)
+            if extra:
+                log(step, extra)
+        window_paused += time.perf_counter() - hooks_start
         if stopping:
             if on_stop is not None:
                 on_stop(step, state)

@@ -74,7 +74,9 @@ def classification(logits: np.ndarray, labels: np.ndarray) -> dict[str, float]:
         auc = binary_auc(logits[:, 1] - logits[:, 0], labels == 1)
     else:
         f1 = float(np.mean([_f1(pred == j, labels == j) for j in range(c)]))
-        aucs = [binary_auc(logits[:, j], labels == j) for j in range(c)]
+        probs = np.exp(logits - logits.max(axis=1, keepdims=True))
+        probs /= probs.sum(axis=1, keepdims=True)  # one-vs-rest ranks probabilities, as is usual
+        aucs = [binary_auc(probs[:, j], labels == j) for j in range(c)]
         auc = float(np.nanmean(aucs)) if not np.all(np.isnan(aucs)) else float("nan")
     return {"accuracy": float(np.mean(pred == labels)), "f1": f1, "auc": auc}
 
