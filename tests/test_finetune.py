@@ -104,6 +104,23 @@ def test_grouped_folds_keep_each_group_in_one_fold():
     assert sizes.min() > 0.7 * sizes.max()
 
 
+def test_parquet_tables_and_error_weights(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    from bertforge.tasks.finetune import DataConfig, FinetuneConfig, read_table
+
+    errors = [0.5, 0.25, 0.0, 1.0]  # 0 marks an anchor row: it counts like the smallest error
+    table = pa.table({"text": ["a b", "c d", "e", "f g h"], "target": [1.0, 2.0, 0.0, -1.0], "se": errors})
+    path = tmp_path / "t.parquet"
+    pq.write_table(table, path)
+    cfg = FinetuneConfig(data=DataConfig(train=str(path), error_column="se"))
+    got = read_table(cfg, str(path))
+    assert got.texts == ["a b", "c d", "e", "f g h"] and got.targets[:, 0].tolist() == [1.0, 2.0, 0.0, -1.0]
+    inverse = 1 / np.array([0.5, 0.25, 0.25, 1.0]) ** 2
+    np.testing.assert_allclose(got.weights, inverse / inverse.mean(), rtol=1e-6)
+
+
 # ------------------------------------------------------------------------------------------------------ metrics
 def test_metrics_match_scipy_and_sklearn():
     stats = pytest.importorskip("scipy.stats")
@@ -185,6 +202,25 @@ def test_loss_is_the_weighted_mean_over_real_rows_and_accumulation_gives_the_ful
     for other in results[1:]:
         diff = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), results[0], other)
         assert max(jax.tree.leaves(diff)) < 1e-5
+
+
+def test_a_registered_loss_is_used_by_name():
+    from bertforge.train.sequence_step import LOSSES, register_loss
+
+    @register_loss("test_abs_cubed")
+    def abs_cubed(outputs, targets):
+        return jnp.mean(jnp.abs(outputs - targets) ** 3, axis=-1)
+
+    try:
+        batch = _batch(np.random.default_rng(4), 8, 16, real=5)
+        graphdef, rest, tx, state = _state()
+        outputs = np.asarray(predict_step(graphdef, rest, state.params, batch))[:, 0]
+        expected = np.sum(batch["weight"] * np.abs(outputs - batch["targets"][:, 0]) ** 3) / 5
+        step = functools.partial(train_step, graphdef, rest, tx=tx, cfg=SequenceStepConfig("test_abs_cubed"))
+        _, m = jax.jit(step)(state, batch, jnp.float32(1e-3), jax.random.key(0))
+        assert float(m["loss"]) == pytest.approx(expected, rel=1e-5)
+    finally:
+        LOSSES.pop("test_abs_cubed")
 
 
 def test_layer_decay_and_head_lr_scale_each_parameter_group():

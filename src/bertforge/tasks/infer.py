@@ -137,7 +137,7 @@ def outputs_by_length(
 
 
 def predict_outputs(
-    pre: Pretrained,
+    models: Pretrained | Sequence[Pretrained],
     texts: Sequence[str],
     pairs: Sequence[str] | None = None,
     batch_size: int = 32,
@@ -145,15 +145,19 @@ def predict_outputs(
     truncation: str = "head",
     progress: bool = True,
 ) -> np.ndarray:
-    """(N, L) float32 outputs of a sequence model: values for regression (L == 1), logits otherwise."""
-    if not isinstance(pre.model, SequenceClassifier):
-        raise UserError(f"{pre.folder}: not a sequence-classification model")
-    cfg = pre.model.config
-    limit = min(max_length or cfg.max_seq_len, cfg.max_seq_len)
-    encs = pre.tokenizer.encode_batch(texts, pairs, max_length=limit, truncation=truncation)
-    pre.model.eval()
-    forward = lambda b: _sequence_outputs(pre.model, *(jnp.asarray(b[k]) for k in INPUTS))  # noqa: E731
-    return outputs_by_length(forward, encs, pre.tokenizer.pad_id, batch_size, limit, progress=progress)
+    """(N, L) float32 outputs of a sequence model (values for regression, logits otherwise); of several models
+    (a fine-tuning run's folds), their mean."""
+    outs = []
+    for pre in [models] if isinstance(models, Pretrained) else models:
+        if not isinstance(pre.model, SequenceClassifier):
+            raise UserError(f"{pre.folder}: not a sequence-classification model")
+        cfg = pre.model.config
+        limit = min(max_length or cfg.max_seq_len, cfg.max_seq_len)
+        encs = pre.tokenizer.encode_batch(texts, pairs, max_length=limit, truncation=truncation)
+        pre.model.eval()
+        forward = lambda b, m=pre.model: _sequence_outputs(m, *(jnp.asarray(b[k]) for k in INPUTS))  # noqa: E731
+        outs.append(outputs_by_length(forward, encs, pre.tokenizer.pad_id, batch_size, limit, progress=progress))
+    return np.mean(outs, axis=0).astype(np.float32)
 
 
 INPUTS = ("input_ids", "attention_mask", "token_type_ids")
@@ -171,20 +175,6 @@ def load_models(name: str) -> tuple[list[Pretrained], dict[str, Any]]:
     return [load_pretrained(name, head="sequence", require_head=True)], {}
 
 
-def ensemble_outputs(
-    models: Sequence[Pretrained],
-    texts: Sequence[str],
-    pairs: Sequence[str] | None = None,
-    batch_size: int = 32,
-    max_length: int | None = None,
-    truncation: str = "head",
-    progress: bool = True,
-) -> np.ndarray:
-    """The mean of the models' outputs (one model: its outputs)."""
-    outs = [predict_outputs(m, texts, pairs, batch_size, max_length, truncation, progress) for m in models]
-    return np.mean(outs, axis=0).astype(np.float32)
-
-
 def predict_main(cfg: PredictConfig) -> np.ndarray:
     models, settings = load_models(cfg.model)
     columns, rows = tabular.read_table(cfg.data)
@@ -196,7 +186,7 @@ def predict_main(cfg: PredictConfig) -> np.ndarray:
     pairs = tabular.text_column(cfg.data, columns, rows, pair_column) if pair_column else None
     max_length = cfg.max_length or settings.get("max_length")
     truncation = cfg.truncation or settings.get("truncation") or "head"
-    outputs = ensemble_outputs(models, texts, pairs, cfg.batch_size, max_length, truncation)
+    outputs = predict_outputs(models, texts, pairs, cfg.batch_size, max_length, truncation)
     id_column = cfg.id_column or ("id" if "id" in columns else None)
     if id_column is not None and id_column not in columns:
         raise UserError(f"{cfg.data}: no column '{id_column}' (columns: {', '.join(columns)})")
