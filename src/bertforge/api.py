@@ -54,9 +54,7 @@ def predict(
         models, settings = [model], {}
     else:
         models, settings = infer.load_models(str(model))
-    max_length = max_length or settings.get("max_length")
-    truncation = truncation or settings.get("truncation") or "head"
-    return infer.predict_outputs(models, list(texts), pairs, batch_size, max_length, truncation)
+    return infer.run_outputs(models, settings, list(texts), pairs, batch_size, max_length, truncation)
 
 
 def finetune(cfg: Any = None, out: str | os.PathLike = "finetune-run", **overrides: Any) -> dict[str, Any]:

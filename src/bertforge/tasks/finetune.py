@@ -150,6 +150,10 @@ class Table:
     def __len__(self) -> int:
         return len(self.texts)
 
+    def row_ids(self) -> list[str]:
+        """The id column's values, or row numbers from 0 when the table has none."""
+        return self.ids or [str(i) for i in range(len(self))]
+
 
 def read_table(cfg: FinetuneConfig, path: str, classes: Sequence[str] | None = None) -> Table:
     """A training or validation table with every value checked; errors name the file, row and column."""
@@ -263,7 +267,6 @@ class Job:
     valid_encs: list[Encoded] | None
     valid_table: Table | None
     limit: int
-    id2label: dict[int, str]
     loss: str
     metric: str
     # Made once, so that every fold runs the programs the first one compiled.
@@ -399,7 +402,7 @@ def _train_fold(job: Job, fold: int, train_rows: np.ndarray, valid_rows: np.ndar
     found = _scores(job, outputs, valid_targets)
     if jax.process_index() == 0:
         model = nnx.merge(job.graphdef, jax.device_get(state.params), job.rest)
-        save_pretrained(model, fold_dir / "model", job.pre.tokenizer, job.id2label)
+        save_pretrained(model, fold_dir / "model", job.pre.tokenizer, job.pre.id2label)
     result = {
         "fold": fold,
         "metric": job.metric,
@@ -442,10 +445,6 @@ def _setup(cfg: FinetuneConfig) -> tuple[Pretrained, Table, Table | None, list[i
         if getattr(h, name) is not None:
             overrides[name] = getattr(h, name)
     pre = load_pretrained(cfg.model, head="sequence", num_labels=num_labels, seed=cfg.train.seed, overrides=overrides)
-    if pre.model.num_labels != num_labels:
-        raise UserError(
-            f"{cfg.model}: its sequence head has {pre.model.num_labels} outputs but the task needs {num_labels}"
-        )
     pre.id2label = dict(enumerate(classes if classes is not None else cfg.data.target_columns))
     return pre, table, valid, run, folds
 
@@ -474,6 +473,8 @@ def _main(
     run: list[int],
     folds: np.ndarray | None,
 ) -> dict[str, Any]:
+    if resume == "never" and any((run_dir / f"fold-{f}" / RESULT).exists() for f in run):
+        raise UserError(f"{run_dir}: already has finished folds; use another --out, or --resume auto to continue")
     limit = min(cfg.data.max_length, pre.model.config.max_seq_len)
     tok = pre.tokenizer
     encs = tok.encode_batch(table.texts, table.pairs, max_length=limit, truncation=cfg.data.truncation)
@@ -498,7 +499,6 @@ def _main(
         valid_encs=valid_encs,
         valid_table=valid,
         limit=limit,
-        id2label=pre.id2label,
         loss=cfg.head.loss or DEFAULT_LOSS[cfg.head.task],
         metric=cfg.head.metric or DEFAULT_METRIC[cfg.head.task],
     )
@@ -514,8 +514,6 @@ def _main(
         out_shardings=(state_shardings, None),
     )
     job.forward_jit = jax.jit(functools.partial(predict_step, graphdef, rest))
-    if resume == "never" and any((run_dir / f"fold-{f}" / RESULT).exists() for f in run):
-        raise UserError(f"{run_dir}: already has finished folds; use another --out, or --resume auto to continue")
     if jax.process_index() == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         write_atomic(run_dir / "config.yaml", yaml.safe_dump(to_dict(cfg), sort_keys=False))
@@ -549,10 +547,10 @@ def _main(
         result = _train_fold(job, f, train_rows, valid_rows, resume)
         print(f"fold {f}: {job.metric} {result['score']:.4f} in {result['seconds']:.0f} s", flush=True)
         results.append(result)
-    return _summarise(job, results, folds)
+    return _summarise(job, results)
 
 
-def _summarise(job: Job, results: list[dict[str, Any]], folds: np.ndarray | None) -> dict[str, Any]:
+def _summarise(job: Job, results: list[dict[str, Any]]) -> dict[str, Any]:
     """oof.csv and summary.json from the folds' results."""
     table = job.valid_table or job.table
     rows = np.concatenate([np.array(r["rows"], np.int64) for r in results])
@@ -575,8 +573,8 @@ def _summarise(job: Job, results: list[dict[str, Any]], folds: np.ndarray | None
         "seconds": float(sum(r["seconds"] for r in results)),
     }
     if jax.process_index() == 0:
-        ids = table.ids or [str(i) for i in range(len(table))]
-        names = [job.id2label[i] for i in range(len(job.id2label))]
+        ids = table.row_ids()
+        names = [job.pre.id2label[i] for i in range(len(job.pre.id2label))]
         if job.cfg.head.task == "classification":
             header = ["id", "fold", "target", "prediction", *(f"logit_{n}" for n in names)]
             body = [

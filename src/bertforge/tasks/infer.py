@@ -175,6 +175,21 @@ def load_models(name: str) -> tuple[list[Pretrained], dict[str, Any]]:
     return [load_pretrained(name, head="sequence", require_head=True)], {}
 
 
+def run_outputs(
+    models: Sequence[Pretrained],
+    settings: dict[str, Any],
+    texts: Sequence[str],
+    pairs: Sequence[str] | None,
+    batch_size: int,
+    max_length: int | None,
+    truncation: str | None,
+) -> np.ndarray:
+    """predict_outputs of load_models' result: a fine-tuning run's length and truncation where none is given."""
+    max_length = max_length or settings.get("max_length")
+    truncation = truncation or settings.get("truncation") or "head"
+    return predict_outputs(models, texts, pairs, batch_size, max_length, truncation)
+
+
 def predict_main(cfg: PredictConfig) -> np.ndarray:
     models, settings = load_models(cfg.model)
     columns, rows = tabular.read_table(cfg.data)
@@ -184,9 +199,7 @@ def predict_main(cfg: PredictConfig) -> np.ndarray:
     pair_column = cfg.text_pair_column or settings.get("text_pair_column")
     texts = tabular.text_column(cfg.data, columns, rows, text_column)
     pairs = tabular.text_column(cfg.data, columns, rows, pair_column) if pair_column else None
-    max_length = cfg.max_length or settings.get("max_length")
-    truncation = cfg.truncation or settings.get("truncation") or "head"
-    outputs = predict_outputs(models, texts, pairs, cfg.batch_size, max_length, truncation)
+    outputs = run_outputs(models, settings, texts, pairs, cfg.batch_size, cfg.max_length, cfg.truncation)
     id_column = cfg.id_column or ("id" if "id" in columns else None)
     if id_column is not None and id_column not in columns:
         raise UserError(f"{cfg.data}: no column '{id_column}' (columns: {', '.join(columns)})")
