@@ -11,7 +11,7 @@ $(BIN)/python:
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
 $(VENV)/.installed: $(BIN)/python pyproject.toml
-	$(BIN)/python -m pip install --quiet -e .
+	$(BIN)/python -m pip install --quiet -e '.[demo]'
 	touch $@
 
 $(VENV)/.installed-dev: $(BIN)/python pyproject.toml

@@ -22,6 +22,7 @@ from transformers import (
     pipeline,
 )
 
+import bertforge
 from bertforge.cli import main
 
 
@@ -209,8 +210,6 @@ def test_console_script_reports_errors_without_traceback(tmp_path):
 
 
 def test_python_api_returns_what_the_cli_writes(wordpiece_dir, tmp_path, capsys):
-    import bertforge
-
     folder = save_hf_model(BertForSequenceClassification, "bert", wordpiece_dir, tmp_path / "hf", num_labels=1)
     texts = ["The river city had a music school.", "Short!"]
     data = tmp_path / "d.csv"
@@ -228,10 +227,36 @@ def test_python_api_returns_what_the_cli_writes(wordpiece_dir, tmp_path, capsys)
     assert len(bertforge.fill_mask(str(mlm), "the [MASK] city", top_k=2)[0][0]) == 2
 
 
-def test_shortened_demo_runs_end_to_end(tmp_path, capsys):
-    code, out, err = run_cli(capsys, "demo", "--out", tmp_path / "demo", "--preset", "test", "--minutes", 0.05)
+def test_shortened_demo_runs_end_to_end(wordpiece_dir, tmp_path, capsys):
+    compare = save_hf_model(BertForMaskedLM, "bert", wordpiece_dir, tmp_path / "compare")
+    out_dir = tmp_path / "demo"
+    code, out, err = run_cli(
+        capsys, "demo", "--out", out_dir, "--preset", "test", "--minutes", 0.05, "--folds", 2, "--epochs", 1,
+        "--per-class", 20, "--compare", compare,
+    )  # fmt: skip
     assert code == 0, err
     assert "== summary" in out
-    for name in ("corpus.txt", "tokenizer/tokenizer.json", "shards/manifest.json", "run/metrics.jsonl"):
-        assert (tmp_path / "demo" / name).exists(), name
-    assert AutoModelForMaskedLM.from_pretrained(tmp_path / "demo" / "model").config.num_hidden_layers == 2
+    for name in ("tokenizer/tokenizer.json", "shards/manifest.json", "run/metrics.jsonl", "task/train.csv"):
+        assert (out_dir / name).exists(), name
+    assert AutoModelForMaskedLM.from_pretrained(out_dir / "model").config.num_hidden_layers == 2
+    with open(out_dir / "task" / "test.csv", newline="") as fh:
+        test = list(csv.DictReader(fh))
+    corpus = set((out_dir / "corpus.txt").read_text().splitlines())
+    assert len(test) == 16 and not corpus & {r["text"] for r in test}  # held out of pretraining too
+
+    for run, name in (
+        (out_dir / "finetune-pretrained", "BERT test pretrained above"),
+        (out_dir / "finetune-compare", "compare"),
+    ):
+        summary = json.loads((run / "summary.json").read_text())
+        assert [f["fold"] for f in summary["folds"]] == [0, 1]
+        assert AutoModelForSequenceClassification.from_pretrained(run / "fold-1" / "model").config.num_labels == 8
+        with open(run / "predictions.csv", newline="") as fh:
+            written = list(csv.DictReader(fh))
+        assert [r["id"] for r in written] == [r["id"] for r in test]
+        logits = bertforge.predict(str(run), [r["text"] for r in test])
+        labels = json.loads((run / "run.json").read_text())["labels"]
+        assert [r["prediction"] for r in written] == [labels[i] for i in logits.argmax(axis=1)]
+        accuracy = np.mean([r["prediction"] == r["module"] for r in written])
+        row = next(line for line in out.splitlines() if line.startswith(f"| {name} |"))
+        assert row.split(" | ")[3] == f"{accuracy:.3f}", row

@@ -196,7 +196,18 @@ def _finetune(args: argparse.Namespace, extra: Sequence[str]) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from bertforge.tasks import demo
 
-    demo.main(demo.DemoConfig(out=args.out, preset=args.preset, minutes=args.minutes))
+    compare = None if args.compare == "none" else args.compare
+    demo.main(
+        demo.DemoConfig(
+            out=args.out,
+            preset=args.preset,
+            minutes=args.minutes,
+            folds=args.folds,
+            epochs=args.epochs,
+            per_class=args.per_class,
+            compare=compare,
+        )
+    )
     return 0
 
 
@@ -259,7 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--step", default="latest", help="latest (default), best, or a step number")
     ex.set_defaults(run=_export)
 
-    pl = sub.add_parser("plot", help="loss, validation loss and learning rate of a run, as a PNG")
+    pl = sub.add_parser("plot", help="curves of a pretraining or fine-tuning run, as a PNG")
     pl.add_argument("run_dir", metavar="RUN", help="run folder")
     pl.add_argument("--out", help="PNG to write (default: RUN/curves.png)")
     pl.set_defaults(run=_plot)
@@ -320,7 +331,16 @@ def build_parser() -> argparse.ArgumentParser:
     dm = sub.add_parser("demo", help="the whole pipeline on a built-in corpus (no download)")
     dm.add_argument("--out", default="demo-output", help="folder for everything the demo writes")
     dm.add_argument("--preset", default="mini", help="model size")
-    dm.add_argument("--minutes", type=float, default=3.0, help="pretraining budget")
+    dm.add_argument("--minutes", type=float, default=3.0, help="pretraining budget, the part of the demo that scales")
+    dm.add_argument("--folds", type=int, default=5, help="folds of the fine-tuning task")
+    dm.add_argument("--epochs", type=float, default=3.0, help="fine-tuning epochs")
+    dm.add_argument("--per-class", type=int, default=150, help="docstrings per module in the fine-tuning task")
+    dm.add_argument(
+        "--compare",
+        default="all-MiniLM-L6-v2",
+        help="a model folder or hub id fine-tuned alongside the pretrained one (default: the shipped "
+        "all-MiniLM-L6-v2 weights; 'none' for none)",
+    )
     dm.set_defaults(run=_demo)
     return parser
 
@@ -328,6 +348,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
+    reconfigure = getattr(sys.stdout, "reconfigure", None)
+    if reconfigure is not None:
+        reconfigure(line_buffering=True)  # lines show as they come when stdout is a file or a pipe
     try:
         if extra and not getattr(args, "takes_overrides", False):
             parser.error(f"unrecognized arguments: {' '.join(extra)}")

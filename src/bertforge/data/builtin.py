@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import ast
+import random
 import sysconfig
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 
 from bertforge.fileio import write_atomic
@@ -31,10 +32,42 @@ def stdlib_docstrings(min_words: int = 8) -> Iterator[tuple[str, str]]:
                         yield module, text
 
 
-def write_stdlib_corpus(path: str | Path) -> tuple[int, int]:
-    """One docstring per line into `path`; returns (documents, bytes)."""
-    lines = [text for _, text in stdlib_docstrings()]
+def write_stdlib_corpus(path: str | Path, exclude: Collection[str] = ()) -> tuple[int, int]:
+    """One docstring per line into `path`, leaving out those in `exclude`; returns (documents, bytes)."""
+    lines = [text for _, text in stdlib_docstrings() if text not in exclude]
     data = "\n".join(lines) + "\n"
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     write_atomic(path, data)
     return len(lines), len(data.encode("utf-8"))
+
+
+def stdlib_module_task(
+    classes: int = 8, per_class: int = 150, test_fraction: float = 0.1, seed: int = 0
+) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
+    """A classification task on the same docstrings: which top-level module a docstring comes from.
+
+    The `classes` public modules with the most docstrings, at most `per_class` of each; a docstring found in two
+    modules is dropped (its label would be ambiguous). Returns (train, test) rows {id, text, module}, the test rows
+    `test_fraction` of each class.
+    """
+    by_text: dict[str, set[str]] = {}
+    for module, text in stdlib_docstrings():
+        by_text.setdefault(text, set()).add(module)
+    by_module: dict[str, list[str]] = {}
+    for text, modules in by_text.items():
+        if len(modules) == 1:
+            by_module.setdefault(next(iter(modules)), []).append(text)
+    public = sorted((m for m in by_module if not m.startswith("_")), key=lambda m: (-len(by_module[m]), m))
+    rng = random.Random(seed)
+    train: list[dict[str, str]] = []
+    test: list[dict[str, str]] = []
+    for module in sorted(public[:classes]):
+        texts = sorted(by_module[module])
+        rng.shuffle(texts)
+        texts = texts[:per_class]
+        held = max(1, round(test_fraction * len(texts)))
+        for i, text in enumerate(texts):
+            (test if i < held else train).append({"id": f"{module}-{i}", "text": text, "module": module})
+    rng.shuffle(train)
+    rng.shuffle(test)
+    return train, test

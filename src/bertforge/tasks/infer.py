@@ -114,15 +114,15 @@ def outputs_by_length(
     batch_size: int,
     limit: int,
     bucket: int = BUCKET,
-    progress: bool = False,
+    bar: Any = None,
 ) -> np.ndarray:
     """forward(batch) -> (B, L) over all encodings, in input order.
 
     Texts are sorted by length, longest first, and batched with little padding; every batch has `batch_size` rows
-    (the last is filled with padding rows), so a model compiles once per bucket length.
+    (the last is filled with padding rows), so a model compiles once per bucket length. `bar`, a tqdm progress
+    bar, advances by the texts done.
     """
     out: np.ndarray | None = None
-    bar = tqdm(total=len(encs), desc="predict", unit="text", disable=not progress, file=sys.stderr)
     for idx in by_length(np.array([len(e.ids) for e in encs]), batch_size):
         chunk = [encs[i] for i in idx]
         batch = pad_batch(chunk, pad_id, bucket_length(max(len(e.ids) for e in chunk), limit, bucket), batch_size)
@@ -130,8 +130,8 @@ def outputs_by_length(
         if out is None:
             out = np.zeros((len(encs), values.shape[1]), np.float32)
         out[idx] = values
-        bar.update(len(idx))
-    bar.close()
+        if bar is not None:
+            bar.update(len(idx))
     assert out is not None
     return out
 
@@ -147,8 +147,10 @@ def predict_outputs(
 ) -> np.ndarray:
     """(N, L) float32 outputs of a sequence model (values for regression, logits otherwise); of several models
     (a fine-tuning run's folds), their mean."""
+    models = [models] if isinstance(models, Pretrained) else list(models)
     outs = []
-    for pre in [models] if isinstance(models, Pretrained) else models:
+    bar = tqdm(total=len(models) * len(texts), desc="predict", unit="text", disable=not progress, file=sys.stderr)
+    for pre in models:
         if not isinstance(pre.model, SequenceClassifier):
             raise UserError(f"{pre.folder}: not a sequence-classification model")
         cfg = pre.model.config
@@ -156,7 +158,8 @@ def predict_outputs(
         encs = pre.tokenizer.encode_batch(texts, pairs, max_length=limit, truncation=truncation)
         pre.model.eval()
         forward = lambda b, m=pre.model: _sequence_outputs(m, *(jnp.asarray(b[k]) for k in INPUTS))  # noqa: E731
-        outs.append(outputs_by_length(forward, encs, pre.tokenizer.pad_id, batch_size, limit, progress=progress))
+        outs.append(outputs_by_length(forward, encs, pre.tokenizer.pad_id, batch_size, limit, bar=bar))
+    bar.close()
     return np.mean(outs, axis=0).astype(np.float32)
 
 
