@@ -222,6 +222,7 @@ def test_python_api_returns_what_the_cli_writes(wordpiece_dir, tmp_path, capsys)
         written = [float(r["prediction"]) for r in csv.DictReader(fh)]
     api = bertforge.predict(str(folder), texts)
     assert api.shape == (2, 1)
+    assert bertforge.labels(str(folder)) == ["LABEL_0"]
     np.testing.assert_allclose(api[:, 0], written, rtol=1e-6)
     mlm = save_hf_model(BertForMaskedLM, "bert", wordpiece_dir, tmp_path / "mlm")
     assert len(bertforge.fill_mask(str(mlm), "the [MASK] city", top_k=2)[0][0]) == 2
@@ -255,7 +256,8 @@ def test_shortened_demo_runs_end_to_end(wordpiece_dir, tmp_path, capsys):
             written = list(csv.DictReader(fh))
         assert [r["id"] for r in written] == [r["id"] for r in test]
         logits = bertforge.predict(str(run), [r["text"] for r in test])
-        labels = json.loads((run / "run.json").read_text())["labels"]
+        labels = bertforge.labels(run)
+        assert labels == json.loads((run / "run.json").read_text())["labels"] == sorted(set(r["module"] for r in test))
         assert [r["prediction"] for r in written] == [labels[i] for i in logits.argmax(axis=1)]
         accuracy = np.mean([r["prediction"] == r["module"] for r in written])
         row = next(line for line in out.splitlines() if line.startswith(f"| {name} |"))

@@ -9,6 +9,7 @@ The Python API mirrors the command line:
     bertforge.predict(pre, ["a text", "another"])     # (N, num_labels)
     summary = bertforge.finetune("configs/finetune/commonlit-minilm.yaml", out="run", model="path/or/hub-id")
     bertforge.predict("run", ["a text"])              # the mean of the run's fold models
+    bertforge.labels("run")                           # the names of predict's columns
     bertforge.save(pre.model, "export/", pre.tokenizer)
 """
 
@@ -26,6 +27,7 @@ _API = {
     "load_tokenizer": ("bertforge.tokenizer", "BertTokenizer.load"),
     "fill_mask": ("bertforge.api", "fill_mask"),
     "predict": ("bertforge.api", "predict"),
+    "labels": ("bertforge.api", "labels"),
     "finetune": ("bertforge.api", "finetune"),
     "pretrain": ("bertforge.api", "pretrain"),
 }

@@ -57,6 +57,19 @@ def predict(
     return infer.run_outputs(models, settings, list(texts), pairs, batch_size, max_length, truncation)
 
 
+def labels(model: str | os.PathLike | Pretrained) -> list[str]:
+    """The names of predict's output columns: class names, or target names for regression."""
+    if not isinstance(model, Pretrained):
+        from bertforge.tasks.finetune import fold_models
+
+        found = fold_models(str(model))
+        if found is not None:
+            settings = found[1]
+            return list(settings["labels"])
+        model = load_pretrained(model, head="sequence", require_head=True)
+    return [model.id2label.get(i, str(i)) for i in range(model.model.num_labels)]
+
+
 def finetune(cfg: Any = None, out: str | os.PathLike = "finetune-run", **overrides: Any) -> dict[str, Any]:
     """Fine-tune as `bertforge finetune` does; returns the summary. Keyword arguments override config sections,
     e.g. finetune("configs/finetune/commonlit-minilm.yaml", out="run", model="my-model", train={"epochs": 1})."""
