@@ -64,8 +64,7 @@ def labels(model: str | os.PathLike | Pretrained) -> list[str]:
 
         found = fold_models(str(model))
         if found is not None:
-            settings = found[1]
-            return list(settings["labels"])
+            return list(found[1]["labels"])
         model = load_pretrained(model, head="sequence", require_head=True)
     return [model.id2label.get(i, str(i)) for i in range(model.model.num_labels)]
 

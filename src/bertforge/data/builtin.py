@@ -5,7 +5,7 @@ from __future__ import annotations
 import ast
 import random
 import sysconfig
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from pathlib import Path
 
 from bertforge.fileio import write_atomic
@@ -32,9 +32,12 @@ def stdlib_docstrings(min_words: int = 8) -> Iterator[tuple[str, str]]:
                         yield module, text
 
 
-def write_stdlib_corpus(path: str | Path, exclude: Collection[str] = ()) -> tuple[int, int]:
-    """One docstring per line into `path`, leaving out those in `exclude`; returns (documents, bytes)."""
-    lines = [text for _, text in stdlib_docstrings() if text not in exclude]
+def write_stdlib_corpus(
+    path: str | Path, docstrings: Iterable[tuple[str, str]], exclude: Collection[str] = ()
+) -> tuple[int, int]:
+    """One docstring of stdlib_docstrings() per line into `path`, leaving out those in `exclude`; returns
+    (documents, bytes)."""
+    lines = [text for _, text in docstrings if text not in exclude]
     data = "\n".join(lines) + "\n"
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     write_atomic(path, data)
@@ -42,16 +45,20 @@ def write_stdlib_corpus(path: str | Path, exclude: Collection[str] = ()) -> tupl
 
 
 def stdlib_module_task(
-    classes: int = 8, per_class: int = 150, test_fraction: float = 0.1, seed: int = 0
+    docstrings: Iterable[tuple[str, str]],
+    classes: int = 8,
+    per_class: int = 150,
+    test_fraction: float = 0.1,
+    seed: int = 0,
 ) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
-    """A classification task on the same docstrings: which top-level module a docstring comes from.
+    """A classification task on stdlib_docstrings(): which top-level module a docstring comes from.
 
     The `classes` public modules with the most docstrings, at most `per_class` of each; a docstring found in two
     modules is dropped (its label would be ambiguous). Returns (train, test) rows {id, text, module}, the test rows
     `test_fraction` of each class.
     """
     by_text: dict[str, set[str]] = {}
-    for module, text in stdlib_docstrings():
+    for module, text in docstrings:
         by_text.setdefault(text, set()).add(module)
     by_module: dict[str, list[str]] = {}
     for text, modules in by_text.items():
