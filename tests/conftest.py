@@ -53,3 +53,16 @@ def bpe_dir(corpus, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("tok") / "bpe"
     tokenizer.train([str(corpus)], "bpe", 700, out)
     return out
+
+
+@pytest.fixture(scope="session")
+def model_dir(wordpiece_dir, tmp_path_factory) -> Path:
+    """The `test` preset, freshly initialised, without dropout, with the test tokenizer."""
+    from bertforge.model.bert import build
+    from bertforge.model.hf import save_pretrained
+    from bertforge.model.presets import preset
+    from bertforge.tokenizer import BertTokenizer
+
+    tok = BertTokenizer.load(wordpiece_dir)
+    cfg = preset("test", vocab_size=tok.vocab_size, hidden_dropout=0.0, attention_dropout=0.0)
+    return save_pretrained(build(cfg, "mlm"), tmp_path_factory.mktemp("model") / "test-bert", tok)

@@ -50,14 +50,6 @@ def river_rows(n: int, seed: int = 0) -> list[dict]:
     return rows
 
 
-@pytest.fixture(scope="session")
-def model_dir(wordpiece_dir, tmp_path_factory) -> Path:
-    """The `test` preset, freshly initialised, without dropout, with the test tokenizer."""
-    tok = BertTokenizer.load(wordpiece_dir)
-    cfg = preset("test", vocab_size=tok.vocab_size, hidden_dropout=0.0, attention_dropout=0.0)
-    return save_pretrained(build(cfg, "mlm"), tmp_path_factory.mktemp("model") / "test-bert", tok)
-
-
 FAST = ["--optim.lr=3e-3", "--train.batch_size=16", "--mesh.num_devices=1", "--train.evals_per_epoch=1",
         "--log.progress=false"]  # fmt: skip
 

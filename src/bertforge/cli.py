@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import traceback
 from collections.abc import Sequence
 from typing import Any
 
@@ -193,6 +195,23 @@ def _finetune(args: argparse.Namespace, extra: Sequence[str]) -> int:
     return 0
 
 
+def _launch(args: argparse.Namespace) -> int:
+    from bertforge.tasks import launch
+
+    command = list(args.command)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    cfg = _make(
+        launch.LaunchConfig,
+        command=tuple(command),
+        num_processes=args.num_processes,
+        devices_per_process=args.devices_per_process,
+        port=args.port,
+        log_dir=args.log_dir or "",
+    )
+    return launch.main(cfg)
+
+
 def _demo(args: argparse.Namespace) -> int:
     from bertforge.tasks import demo
 
@@ -328,6 +347,18 @@ def build_parser() -> argparse.ArgumentParser:
     ft.add_argument("--resume", default="auto", choices=["auto", "never"])
     ft.set_defaults(run=_finetune, takes_overrides=True)
 
+    la = sub.add_parser(
+        "launch",
+        help="run a command as several processes on this machine, as the hosts of a cluster would",
+        description="bertforge launch --num-processes 2 --devices-per-process 4 -- pretrain --config ... --out RUN",
+    )
+    la.add_argument("--num-processes", type=int, default=2)
+    la.add_argument("--devices-per-process", type=int, default=4, help="simulated CPU devices of each process")
+    la.add_argument("--port", type=int, default=0, help="coordinator port (default: a free one)")
+    la.add_argument("--log-dir", help="logs of processes 1.. (default: RUN/logs)")
+    la.add_argument("command", nargs=argparse.REMAINDER, help="-- then a bertforge command and its arguments")
+    la.set_defaults(run=_launch)
+
     dm = sub.add_parser("demo", help="the whole pipeline on a built-in corpus (no download)")
     dm.add_argument("--out", default="demo-output", help="folder for everything the demo writes")
     dm.add_argument("--preset", default="mini", help="model size")
@@ -351,16 +382,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     reconfigure = getattr(sys.stdout, "reconfigure", None)
     if reconfigure is not None:
         reconfigure(line_buffering=True)  # lines show as they come when stdout is a file or a pipe
+    if args.command == "launch":
+        extra = []  # everything after `launch` belongs to the launched command
     try:
         if extra and not getattr(args, "takes_overrides", False):
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
-        return args.run(args, extra) if getattr(args, "takes_overrides", False) else args.run(args)
+        code = args.run(args, extra) if getattr(args, "takes_overrides", False) else args.run(args)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        code = 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
-        return 130
+        code = 130
+    except BaseException:
+        if not _in_multiprocess_run():
+            raise
+        traceback.print_exc()
+        code = 1
+    if code not in (0, 143) and _in_multiprocess_run():
+        # Leave at once: a normal exit waits at JAX's shutdown barrier for processes that, stuck in a collective
+        # with this one, never come. Gone, this process stops sending heartbeats and the others stop too.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+def _in_multiprocess_run() -> bool:
+    jax = sys.modules.get("jax")
+    return jax is not None and jax.distributed.is_initialized()
 
 
 if __name__ == "__main__":

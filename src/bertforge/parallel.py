@@ -6,6 +6,8 @@ over. Data parallel is ('data',); FSDP shards parameters over 'fsdp'; 'tensor' i
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import numpy as np
 from flax import nnx
@@ -92,11 +94,15 @@ def global_array(full: np.ndarray, mesh: Mesh) -> jax.Array:
     return jax.make_array_from_process_local_data(sharding, local, full.shape)
 
 
+HEARTBEAT_SECONDS = 30  # a process silent this long is taken for dead and the others stop (JAX's default is 100)
+
+
 def initialize_distributed() -> bool:
     """Join a multi-host run when the environment describes one; returns whether it did.
 
     TPU pod slices and SLURM jobs are detected by JAX itself; elsewhere set JAX_COORDINATOR_ADDRESS (host:port of
     process 0), JAX_NUM_PROCESSES and JAX_PROCESS_ID on every host. Nothing else in bertforge changes.
+    BERTFORGE_HEARTBEAT_SECONDS sets how soon the others stop when one process dies.
     """
     import os
 
@@ -106,12 +112,24 @@ def initialize_distributed() -> bool:
     tpu_pod = len([h for h in env.get("TPU_WORKER_HOSTNAMES", "").split(",") if h]) > 1
     if not (explicit or slurm or tpu_pod):
         return False
+    timeouts = {"heartbeat_timeout_seconds": int(env.get("BERTFORGE_HEARTBEAT_SECONDS", HEARTBEAT_SECONDS))}
     if explicit:
         jax.distributed.initialize(
             coordinator_address=env["JAX_COORDINATOR_ADDRESS"],
             num_processes=int(env["JAX_NUM_PROCESSES"]) if "JAX_NUM_PROCESSES" in env else None,
             process_id=int(env["JAX_PROCESS_ID"]) if "JAX_PROCESS_ID" in env else None,
+            **timeouts,
         )
     else:
-        jax.distributed.initialize()
+        jax.distributed.initialize(**timeouts)
     return True
+
+
+def fetch(tree: Any) -> Any:
+    """`tree`'s arrays whole, as numpy, on every process: a collective when other processes hold parts of them
+    (FSDP over several hosts), so every process must call it."""
+    if jax.process_count() == 1:
+        return jax.device_get(tree)
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.process_allgather(tree, tiled=True)

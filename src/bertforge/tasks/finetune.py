@@ -31,7 +31,7 @@ from bertforge.data.folds import assign_folds, bin_targets, sturges_bins
 from bertforge.errors import UserError
 from bertforge.fileio import read_json_object, write_atomic
 from bertforge.model.hf import Pretrained, load_pretrained, save_pretrained
-from bertforge.parallel import global_array, param_shardings
+from bertforge.parallel import fetch, global_array, param_shardings
 from bertforge.tasks.export import RUN_FILE
 from bertforge.tasks.infer import INPUTS, outputs_by_length
 from bertforge.tasks.pretrain import LogConfig, MeshConfig, build_mesh
@@ -400,8 +400,9 @@ def _train_fold(job: Job, fold: int, train_rows: np.ndarray, valid_rows: np.ndar
         checkpoints.close()
     outputs = outputs_of(state.params)
     found = _scores(job, outputs, valid_targets)
+    params = fetch(state.params)  # every process takes part when the parameters are split over hosts
     if jax.process_index() == 0:
-        model = nnx.merge(job.graphdef, jax.device_get(state.params), job.rest)
+        model = nnx.merge(job.graphdef, params, job.rest)
         save_pretrained(model, fold_dir / "model", job.pre.tokenizer, job.pre.id2label)
     result = {
         "fold": fold,
@@ -513,7 +514,9 @@ def _main(
         donate_argnums=(0,),
         out_shardings=(state_shardings, None),
     )
-    job.forward_jit = jax.jit(functools.partial(predict_step, graphdef, rest))
+    # Outputs replicated: every process reads the whole batch's predictions (metrics are global).
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    job.forward_jit = jax.jit(functools.partial(predict_step, graphdef, rest), out_shardings=replicated)
     if jax.process_index() == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         write_atomic(run_dir / "config.yaml", yaml.safe_dump(to_dict(cfg), sort_keys=False))

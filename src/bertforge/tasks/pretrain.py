@@ -26,7 +26,7 @@ from bertforge.data.shards import BatchLoader, Shards
 from bertforge.errors import UserError
 from bertforge.model.bert import ModelConfig, build
 from bertforge.model.presets import preset
-from bertforge.parallel import batch_sharding, make_mesh, param_shardings
+from bertforge.parallel import batch_sharding, global_array, make_mesh, param_shardings
 from bertforge.tasks.export import RUN_FILE
 from bertforge.tasks.init import fit_to_tokenizer
 from bertforge.tokenizer import BertTokenizer
@@ -188,17 +188,13 @@ def _evaluate(eval_fn: Any, params: Any, valid: Shards, cfg: PretrainConfig, mes
     n_batches = math.ceil(valid.num_sequences / b)
     if cfg.eval.max_batches is not None:
         n_batches = min(n_batches, cfg.eval.max_batches)
-    sharding = batch_sharding(mesh)
     key = jax.random.key(cfg.train.seed + 1_000_003)
-    local = b // jax.process_count()
     totals = jnp.zeros(3)
     for i in range(n_batches):
         rows = np.arange(i * b, min((i + 1) * b, valid.num_sequences))
         ids = np.full((b, valid.seq_len), valid.pad_id, np.int32)  # the last batch is padded: nothing to predict
         ids[: len(rows)] = valid.rows(rows)
-        part = ids[jax.process_index() * local : (jax.process_index() + 1) * local]
-        batch = jax.make_array_from_process_local_data(sharding, part, ids.shape)
-        totals = totals + eval_fn(params, batch, jax.random.fold_in(key, i))
+        totals = totals + eval_fn(params, global_array(ids, mesh), jax.random.fold_in(key, i))
     loss_sum, correct, count = (float(x) for x in jax.device_get(totals))
     loss = loss_sum / max(count, 1)
     return {"valid_loss": loss, "valid_perplexity": math.exp(min(loss, 50)), "valid_accuracy": correct / max(count, 1)}

@@ -88,8 +88,17 @@ class Checkpoints:
         self.manager.wait_until_finished()
 
     def restore(self, step: int, target: Any) -> tuple[Any, dict[str, Any]]:
-        """The state laid out like `target` (arrays or ShapeDtypeStructs with shardings) and the metadata."""
-        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
+        """The state laid out like `target` and the metadata. Leaves of `target` without a sharding (plain arrays
+        or ShapeDtypeStructs) land on this process's first device: the saved layout may name devices of other
+        processes or another mesh, which orbax does not take."""
+        here = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+
+        def abstract_leaf(x: Any) -> jax.ShapeDtypeStruct:
+            s = ocp.utils.to_shape_dtype_struct(x)
+            sharding = getattr(x, "sharding", None)
+            return jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding if sharding is not None else here)
+
+        abstract = jax.tree.map(abstract_leaf, target)
         args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore())
         restored = self.manager.restore(step, args=args)
         return restored["state"], dict(restored["meta"])
