@@ -66,3 +66,13 @@ def model_dir(wordpiece_dir, tmp_path_factory) -> Path:
     tok = BertTokenizer.load(wordpiece_dir)
     cfg = preset("test", vocab_size=tok.vocab_size, hidden_dropout=0.0, attention_dropout=0.0)
     return save_pretrained(build(cfg, "mlm"), tmp_path_factory.mktemp("model") / "test-bert", tok)
+
+
+@pytest.fixture(scope="session")
+def shards(tmp_path_factory, wordpiece_dir) -> Path:
+    """Pretraining shards of 32 tokens from 400 generated documents, 5% held out."""
+    from test_preprocess import make_documents, run
+
+    tmp = tmp_path_factory.mktemp("pretrain-data")
+    run(tmp, wordpiece_dir, make_documents(n_docs=400, seed=7), seq_len=32, valid_fraction=0.05)
+    return tmp / "out"

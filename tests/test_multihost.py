@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 import yaml
 from test_finetune import river_rows, write_table
-from test_preprocess import make_documents, run
 from test_pretrain import losses, params_of
 
 from bertforge.cli import main as cli
@@ -31,13 +30,6 @@ PRETRAIN = {
     "checkpoint": {"every": 10},
     "log": {"every": 1, "tensorboard": False, "progress": False},
 }
-
-
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory, wordpiece_dir):
-    tmp = tmp_path_factory.mktemp("multihost-data")
-    run(tmp, wordpiece_dir, make_documents(n_docs=400, seed=7), seq_len=32, valid_fraction=0.05)
-    return tmp / "out"
 
 
 def write_config(path: Path, **sections) -> Path:

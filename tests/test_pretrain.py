@@ -15,7 +15,6 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from test_preprocess import make_documents, run
 
 from bertforge.cli import main as cli
 from bertforge.config import from_dict
@@ -26,13 +25,6 @@ from bertforge.train.logging import read_metrics
 from bertforge.train.optim import OptimConfig, decay_mask, learning_rate
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory, wordpiece_dir):
-    tmp = tmp_path_factory.mktemp("pretrain-data")
-    run(tmp, wordpiece_dir, make_documents(n_docs=400, seed=7), seq_len=32, valid_fraction=0.05)
-    return tmp / "out"
 
 
 def config(shards, **sections):

@@ -195,6 +195,32 @@ def _finetune(args: argparse.Namespace, extra: Sequence[str]) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace, extra: Sequence[str]) -> int:
+    from bertforge.config import load_config_and_data
+    from bertforge.tasks import plan, pretrain
+
+    cfg, _ = load_config_and_data(pretrain.PretrainConfig, args.config, extra)
+    seq_len = args.seq_len
+    if seq_len is None and args.data:
+        from bertforge.data.shards import Shards
+
+        seq_len = Shards(args.data, "train").seq_len
+    seq_len = seq_len or 128
+    if args.devices is None:
+        import jax
+
+        devices = cfg.mesh.num_devices or jax.device_count()
+    else:
+        devices = args.devices
+    estimate, measured = plan.main(cfg, devices, seq_len, compile=args.compile)
+    print(plan.describe(cfg, estimate))
+    print(estimate.table())
+    if measured is not None:
+        error = 100 * (estimate.peak / measured - 1)
+        print(f"compiled on this machine: {measured / plan.MiB:,.1f} MiB per device (estimate {error:+.1f}%)")
+    return 0
+
+
 def _launch(args: argparse.Namespace) -> int:
     from bertforge.tasks import launch
 
@@ -346,6 +372,18 @@ def build_parser() -> argparse.ArgumentParser:
     ft.add_argument("--out", required=True, help="run folder")
     ft.add_argument("--resume", default="auto", choices=["auto", "never"])
     ft.set_defaults(run=_finetune, takes_overrides=True)
+
+    pn = sub.add_parser(
+        "plan",
+        help="memory per device of a pretraining config on a mesh, before running it",
+        description="Overrides such as --mesh.fsdp=4 --train.global_batch=256 --model.remat=true follow the flags.",
+    )
+    pn.add_argument("--config", help="YAML (configs/pretrain/*.yaml)")
+    pn.add_argument("--devices", type=int, help="devices of the mesh (default: this machine's)")
+    pn.add_argument("--seq-len", type=int, help="tokens per sequence (default: the shards' of --data, else 128)")
+    pn.add_argument("--data", help="shard folder, for its sequence length")
+    pn.add_argument("--compile", action="store_true", help="also compile the step here and show JAX's figure")
+    pn.set_defaults(run=_plan, takes_overrides=True)
 
     la = sub.add_parser(
         "launch",

@@ -6,6 +6,7 @@ over. Data parallel is ('data',); FSDP shards parameters over 'fsdp'; 'tensor' i
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -50,14 +51,21 @@ def logical_to_mesh(axes: tuple[str | None, ...]) -> PartitionSpec:
     return PartitionSpec(*(None if a is None else RULES.get(a) for a in axes))
 
 
-def _spec_for(mesh: Mesh, axes: tuple[str | None, ...], shape: tuple[int, ...]) -> PartitionSpec:
-    # A dimension that does not divide over its mesh axes stays replicated rather than failing.
+def spec_for(mesh_shape: Mapping[str, int], axes: tuple[str | None, ...], shape: tuple[int, ...]) -> PartitionSpec:
+    """The PartitionSpec of an array with logical `axes` on a mesh of `mesh_shape` ({'data': 8, ...}).
+
+    A dimension that does not divide over its mesh axes stays replicated rather than failing."""
     spec = []
     for dim, mesh_axes in zip(shape, logical_to_mesh(axes), strict=True):
         names = (mesh_axes,) if isinstance(mesh_axes, str) else (mesh_axes or ())
-        size = int(np.prod([mesh.shape[n] for n in names])) if names else 1
+        size = int(np.prod([mesh_shape[n] for n in names])) if names else 1
         spec.append(mesh_axes if names and dim % size == 0 else None)
     return PartitionSpec(*spec)
+
+
+def logical_axes(var: nnx.Variable) -> tuple[str | None, ...]:
+    shape = var.get_value().shape  # an array, or a ShapeDtypeStruct under nnx.eval_shape
+    return tuple(var.get_metadata().get("out_sharding") or (None,) * len(shape))
 
 
 def param_shardings(model: nnx.Module, mesh: Mesh) -> nnx.State:
@@ -65,8 +73,7 @@ def param_shardings(model: nnx.Module, mesh: Mesh) -> nnx.State:
     state = nnx.state(model, nnx.Param)
 
     def one(var: nnx.Variable) -> NamedSharding:
-        axes = var.get_metadata().get("out_sharding") or (None,) * var[...].ndim
-        return NamedSharding(mesh, _spec_for(mesh, tuple(axes), var[...].shape))
+        return NamedSharding(mesh, spec_for(dict(mesh.shape), logical_axes(var), var.get_value().shape))
 
     return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 

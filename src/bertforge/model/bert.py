@@ -47,6 +47,7 @@ class ModelConfig:
     pad_token_id: int = 0
     dtype: str = "float32"  # compute dtype; parameters are always float32
     pooling: str = "cls"  # sequence head: the [CLS] vector, the mean of the tokens, or learned attention weights
+    remat: bool = False  # keep only each layer's input for the backward pass and recompute the rest (less memory)
 
     def __post_init__(self) -> None:
         if self.flavor not in FLAVORS:
@@ -232,13 +233,13 @@ def padding_bias(mask: jax.Array) -> jax.Array:
     return jnp.where(mask, 0.0, -1e30).astype(jnp.float32)
 
 
-def _attention_with_dropout(q, k, v, mask, dropout: nnx.Dropout) -> jax.Array:
+def _attention_with_dropout(q, k, v, mask, dropout: nnx.Dropout, key: jax.Array) -> jax.Array:
     # jax.nn.dot_product_attention has no dropout on the probabilities; this path runs only in training with
     # attention_dropout > 0, and equals the fused one when dropout is off (tested).
     scale = q.shape[-1] ** -0.5
     logits = jnp.einsum("btnh,bsnh->bnts", q, k, preferred_element_type=jnp.float32) * scale  # (B, N, T, T)
     logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
-    probs = dropout(jax.nn.softmax(logits, axis=-1)).astype(v.dtype)
+    probs = dropout(jax.nn.softmax(logits, axis=-1), rngs=key).astype(v.dtype)
     return jnp.einsum("bnts,bsnh->btnh", probs, v)  # (B, T, N, H)
 
 
@@ -257,12 +258,29 @@ class Layer(nnx.Module):
         self.dropout = nnx.Dropout(cfg.hidden_dropout, rngs=rngs)
         self.attn_dropout = nnx.Dropout(cfg.attention_dropout, rngs=rngs)
 
-    def __call__(self, x: jax.Array, mask: jax.Array, first_only: bool = False) -> jax.Array:
+    def dropout_keys(self) -> tuple[jax.Array | None, jax.Array | None]:
+        """This call's dropout keys (hidden, attention), drawn from the layer's streams; None where inactive."""
+
+        def draw(d: nnx.Dropout) -> jax.Array | None:
+            return d.rngs() if d.rate > 0 and not d.deterministic else None
+
+        return draw(self.dropout), draw(self.attn_dropout)
+
+    def __call__(
+        self,
+        x: jax.Array,
+        mask: jax.Array,
+        first_only: bool = False,
+        keys: tuple[jax.Array | None, jax.Array | None] | None = None,
+    ) -> jax.Array:
         """x (B, T, D), mask (B, 1, 1, T) True where a key may be attended -> (B, T, D).
 
         With `first_only` only the first token's output is computed, (B, 1, D): all a [CLS] head needs from the
         last layer. Keys and values still come from every token, so that output is exactly the full layer's.
+        `keys` are the dropout keys of `dropout_keys()`, drawn here when not given.
         """
+        hidden_key, attn_key = self.dropout_keys() if keys is None else keys
+        k1, k2 = jax.random.split(hidden_key) if hidden_key is not None else (None, None)
         b, t, d = x.shape
         n, h = self.cfg.num_heads, self.cfg.head_dim
         xq = x[:, :1] if first_only else x  # (B, Q, D): the tokens whose outputs are computed
@@ -274,15 +292,29 @@ class Layer(nnx.Module):
         q = self.query(xq).reshape(b, tq, n, h)
         k = self.key(x2).reshape(b, t, n, h)
         v = self.value(x2).reshape(b, t, n, h)
-        if self.attn_dropout.rate > 0 and not self.attn_dropout.deterministic:
-            ctx = _attention_with_dropout(q, k, v, mask, self.attn_dropout)
+        if attn_key is not None:
+            ctx = _attention_with_dropout(q, k, v, mask, self.attn_dropout, attn_key)
         else:
             ctx = attention(q, k, v, padding_bias(mask))  # (B, Q, N, H)
-        attn = self.dropout(self.attn_out(ctx.reshape(b * tq, d)))
+        attn = self.dropout(self.attn_out(ctx.reshape(b * tq, d)), rngs=k1)
         y = self.attn_norm(xq + attn).astype(x.dtype)
         hidden = ACTIVATIONS[self.cfg.hidden_act](self.mlp_in(y))  # (B*Q, F)
-        y = self.mlp_norm(y + self.dropout(self.mlp_out(hidden))).astype(x.dtype)
+        y = self.mlp_norm(y + self.dropout(self.mlp_out(hidden), rngs=k2)).astype(x.dtype)
         return y.reshape(b, tq, d)
+
+
+def _rematerialized(layer: Layer, x: jax.Array, mask: jax.Array, first_only: bool) -> jax.Array:
+    """layer(x, mask) keeping only its inputs for the backward pass, which runs the layer again.
+
+    The dropout keys are drawn outside, as the plain call draws them, and handed in: inside jax.checkpoint the
+    layer is a pure function of its state, and the numbers are those of the plain call."""
+    keys = layer.dropout_keys()
+    graphdef, state = nnx.split(layer)
+
+    def run(state: nnx.State, x: jax.Array, mask: jax.Array, keys: tuple) -> jax.Array:
+        return nnx.merge(graphdef, state)(x, mask, first_only=first_only, keys=keys)
+
+    return jax.checkpoint(run)(state, x, mask, keys)
 
 
 class Encoder(nnx.Module):
@@ -308,7 +340,8 @@ class Encoder(nnx.Module):
         mask = attention_mask.astype(bool)[:, None, None, :]  # (B, 1, 1, T)
         x = self.embeddings(input_ids, token_type_ids)
         for i, layer in enumerate(self.layers):
-            x = layer(x, mask, first_only=first_only and i == len(self.layers) - 1)
+            last = first_only and i == len(self.layers) - 1
+            x = _rematerialized(layer, x, mask, last) if self.cfg.remat else layer(x, mask, first_only=last)
         return x
 
 

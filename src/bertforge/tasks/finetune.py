@@ -111,6 +111,7 @@ class TrainConfig:
     eval_batch_size: int = 64
     seed: int = 0  # data order and dropout
     dtype: str = "float32"  # compute dtype (bfloat16: mixed precision over float32 parameters)
+    remat: bool = False  # recompute each layer's activations in the backward pass: less memory, ~1/3 more compute
 
     def __post_init__(self) -> None:
         if self.batch_size < 1 or self.grad_accum < 1 or self.batch_size % self.grad_accum:
@@ -441,7 +442,7 @@ def _setup(cfg: FinetuneConfig) -> tuple[Pretrained, Table, Table | None, list[i
         _check_classes(cfg, table, folds, run)
     num_labels = len(classes) if classes is not None else len(cfg.data.target_columns)
     h = cfg.head
-    overrides: dict[str, Any] = {"pooling": h.pooling, "dtype": cfg.train.dtype}
+    overrides: dict[str, Any] = {"pooling": h.pooling, "dtype": cfg.train.dtype, "remat": cfg.train.remat}
     for name in ("hidden_dropout", "attention_dropout", "classifier_dropout"):
         if getattr(h, name) is not None:
             overrides[name] = getattr(h, name)

@@ -167,6 +167,36 @@ def _masking_spec(cfg: PretrainConfig, tokenizer: BertTokenizer, special: dict[s
     )
 
 
+def compile_steps(
+    cfg: PretrainConfig,
+    graphdef: Any,
+    rest: Any,
+    tx: Any,
+    state_shardings: Any,
+    mesh: jax.sharding.Mesh,
+    seq_len: int,
+    masking: MaskingSpec,
+    pad_id: int,
+) -> tuple[Any, Any]:
+    """The jitted train step (state donated, laid out as `state_shardings`) and the jitted validation sums."""
+    groups = mesh.shape["data"] * mesh.shape["fsdp"]
+    micro = cfg.train.global_batch // cfg.train.grad_accum
+    step_cfg = StepConfig(
+        masking=masking,
+        pad_id=pad_id,
+        grad_accum=cfg.train.grad_accum,
+        sparse_head=cfg.train.sparse_head,
+        groups=groups,
+        capacity=prediction_capacity(micro // groups * seq_len, cfg.mlm.rate),
+    )
+    step_jit = jax.jit(
+        functools.partial(train_step, graphdef, rest, tx=tx, cfg=step_cfg),
+        donate_argnums=(0,),
+        out_shardings=(state_shardings, None),
+    )
+    return step_jit, jax.jit(functools.partial(eval_sums, graphdef, rest, cfg=step_cfg))
+
+
 def _restore_from(path: Path, state: TrainState) -> tuple[TrainState, dict[str, Any]]:
     """--resume PATH: a step folder (RUN/checkpoints/N) or a run folder (its latest checkpoint)."""
     directory, step = (path.parent, int(path.name)) if path.name.isdigit() else (path / "checkpoints", None)
@@ -277,23 +307,9 @@ def _main(cfg: PretrainConfig, run_dir: Path, resume: str, vocab_given: bool) ->
         )
 
     masking = _masking_spec(cfg, tokenizer, manifest["special_ids"], model_cfg.vocab_size)
-    groups = mesh.shape["data"] * mesh.shape["fsdp"]
-    micro = cfg.train.global_batch // cfg.train.grad_accum
-    step_cfg = StepConfig(
-        masking=masking,
-        pad_id=tokenizer.pad_id,
-        grad_accum=cfg.train.grad_accum,
-        sparse_head=cfg.train.sparse_head,
-        groups=groups,
-        capacity=prediction_capacity(micro // groups * seq_len, cfg.mlm.rate),
+    step_jit, eval_fn = compile_steps(
+        cfg, graphdef, rest, tx, state_shardings, mesh, seq_len, masking, tokenizer.pad_id
     )
-    step_jit = jax.jit(
-        functools.partial(train_step, graphdef, rest, tx=tx, cfg=step_cfg),
-        donate_argnums=(0,),
-        out_shardings=(state_shardings, None),
-    )
-
-    eval_fn = jax.jit(functools.partial(eval_sums, graphdef, rest, cfg=step_cfg))
 
     def step_fn(state: TrainState, batch: Any, lr: float) -> tuple[TrainState, dict[str, Any]]:
         return step_jit(state, batch, jnp.float32(lr), key)

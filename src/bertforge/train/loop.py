@@ -71,7 +71,8 @@ class StopFlag:
 
 OOM_HINT = (
     "out of device memory at the first step: lower train.global_batch, raise train.grad_accum, shard parameters "
-    "with mesh.fsdp, or shorten the sequences (preprocess --seq-len)"
+    "with mesh.fsdp, recompute activations with model.remat=true, or shorten the sequences (preprocess --seq-len); "
+    "`bertforge plan` estimates the memory of each choice"
 )
 
 

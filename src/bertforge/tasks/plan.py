@@ -1,0 +1,188 @@
+"""`bertforge plan`: memory per device of a pretraining config on a mesh, before paying for the mesh.
+
+Parameters, optimizer state and gradients are counted exactly from the model's shapes and the sharding rules of
+parallel.py. Activations are the buffers the compiled step keeps alive at its peak, counted per layer:
+
+    16 (tokens x hidden) + 4 (tokens x intermediate) + 4 (heads x length^2 per sequence)   float32 values
+
+(inputs of the four projections, q/k/v and the attention output, the LayerNorm inputs and statistics, the GELU's
+intermediates, the attention probabilities and their backward), plus the vocabulary side: the tied embedding's
+gradient (vocab x hidden) and the logits of the masked positions (capacity x vocab). In the head's backward the
+compiler keeps about half a second logits buffer alive, so the vocabulary side's peak is the larger of 1.5 logits
+and logits + one (tokens x intermediate) transient. The peak is the larger of that activation peak and the end of
+the step, where the gradients and the optimizer's update temporaries (2 x parameters) are alive together.
+These counts were read off XLA's buffer assignment; tests/test_plan.py holds the estimate to within 10% of the
+memory JAX reports for the compiled step, tiny through base. Other backends fuse differently, so treat the
+figure as a guide with a margin, and check it on the device with --compile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from bertforge.data.masking import MaskingSpec
+from bertforge.errors import UserError
+from bertforge.model.bert import ModelConfig, build
+from bertforge.parallel import MESH_AXES, batch_sharding, logical_axes, param_shardings, spec_for
+from bertforge.tasks.pretrain import PretrainConfig, build_mesh, compile_steps
+from bertforge.train.optim import make_optimizer
+from bertforge.train.step import TrainState, prediction_capacity
+
+MiB = 2**20
+ADAM_MOMENTS = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Bytes per device of one train step."""
+
+    devices: int
+    mesh: dict[str, int]
+    micro_batch: int  # sequences per device per micro-batch
+    seq_len: int
+    parameters: int
+    optimizer: int
+    gradients: int
+    activations: int
+    peak: int
+
+    def table(self) -> str:
+        rows = [
+            ("parameters (float32)", self.parameters),
+            ("optimizer state (AdamW moments)", self.optimizer),
+            ("gradients", self.gradients),
+            ("activations at the peak", self.activations),
+            ("peak of the step", self.peak),
+        ]
+        lines = ["| per device | MiB |", "|---|---|"]
+        lines += [f"| {name} | {value / MiB:,.1f} |" for name, value in rows]
+        return "\n".join(lines)
+
+
+def resolve_mesh(cfg: PretrainConfig, devices: int) -> dict[str, int]:
+    """The mesh shape `cfg.mesh` gives on `devices` devices, checked as `bertforge pretrain` checks it."""
+    sizes = {"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp, "tensor": cfg.mesh.tensor}
+    known = math.prod(v for v in sizes.values() if v != -1)
+    free = [k for k, v in sizes.items() if v == -1]
+    if len(free) > 1 or devices % known:
+        raise UserError(f"config 'mesh': {sizes} does not fit {devices} devices")
+    if free:
+        sizes[free[0]] = devices // known
+    if math.prod(sizes.values()) != devices:
+        raise UserError(f"config 'mesh': {sizes} needs {math.prod(sizes.values())} devices, not {devices}")
+    shards = sizes["data"] * sizes["fsdp"]
+    micro = cfg.train.global_batch // cfg.train.grad_accum
+    if micro % shards:
+        raise UserError(
+            f"train.global_batch={cfg.train.global_batch} with grad_accum={cfg.train.grad_accum} does not split "
+            f"over {shards} devices (mesh data x fsdp)"
+        )
+    return sizes
+
+
+def parameter_bytes(model_cfg: ModelConfig, mesh_shape: dict[str, int]) -> tuple[int, int]:
+    """(bytes per device, bytes in all) of the float32 parameters, split as the sharding rules split them."""
+    model = nnx.eval_shape(lambda: build(model_cfg, "mlm"))
+    per_device = total = 0
+    for var in jax.tree.leaves(nnx.state(model, nnx.Param), is_leaf=lambda x: isinstance(x, nnx.Variable)):
+        shape = var.get_value().shape
+        size = math.prod(shape) * 4
+        spec = spec_for(mesh_shape, logical_axes(var), shape)
+        split = 1
+        for axes in spec:
+            names = (axes,) if isinstance(axes, str) else (axes or ())
+            split *= math.prod(mesh_shape[n] for n in names)
+        per_device += size // split
+        total += size
+    return per_device, total
+
+
+def estimate(cfg: PretrainConfig, devices: int, seq_len: int) -> Plan:
+    """The memory per device of `cfg`'s train step on `devices` devices with sequences of `seq_len` tokens."""
+    m = cfg.model
+    mesh = resolve_mesh(cfg, devices)
+    shards = mesh["data"] * mesh["fsdp"]
+    b = cfg.train.global_batch // cfg.train.grad_accum // shards
+    n = b * seq_len
+    d, f, v, heads, layers = m.hidden_size, m.intermediate_size, m.vocab_size, m.num_heads, m.num_layers
+    params, _ = parameter_bytes(m, mesh)
+    optimizer = ADAM_MOMENTS * params
+    gradients = params
+    act = 2 if m.dtype == "bfloat16" else 4  # hidden states; attention probabilities stay float32
+    layer = (16 * n * d + 4 * n * f) * act + 4 * b * heads * seq_len**2 * 4
+    predicted = prediction_capacity(n, cfg.mlm.rate) if cfg.train.sparse_head else n
+    logits = predicted * v * 4
+    saved = layer * (1 if m.remat else layers) + (n * d * act * layers if m.remat else 0)
+    activations = saved + v * d * 4 + 3 * n * d * act + max(logits + n * f * act, logits * 3 // 2)
+    extra = params if cfg.train.grad_accum > 1 else 0  # the accumulated gradients carried across micro-batches
+    if shards > 1:
+        extra += v * d * 4 // mesh["fsdp"]  # the embedding gradient's reduction buffer
+    peak = params + optimizer + max(activations, 2 * gradients) + extra
+    return Plan(devices, mesh, b, seq_len, params, optimizer, gradients, activations, peak)
+
+
+def compiled_bytes(cfg: PretrainConfig, seq_len: int) -> int:
+    """The memory per device JAX reports for `cfg`'s compiled train step on this machine's devices (arguments,
+    outputs and temporaries, donated buffers counted once). Compiles without allocating the model."""
+    mesh = build_mesh(cfg.mesh, cfg.train.global_batch, cfg.train.grad_accum, "train.global_batch")
+    model = nnx.eval_shape(lambda: build(cfg.model, "mlm"))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    rest = jax.tree.map(
+        lambda a: jax.random.key(0) if jnp.issubdtype(a.dtype, jax.dtypes.prng_key) else jnp.zeros(a.shape, a.dtype),
+        rest,
+    )
+    params = jax.tree.map(
+        lambda s, var: var.replace(jax.ShapeDtypeStruct(var.get_value().shape, var.get_value().dtype, sharding=s)),
+        param_shardings(model, mesh),
+        params,
+    )
+    tx = make_optimizer(cfg.optim, params, cfg.model.num_layers)
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    laid_out = jax.jit(tx.init).lower(params).compile().output_shardings
+    abstract = jax.eval_shape(tx.init, params)
+    opt_state = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(
+            a.shape, a.dtype, sharding=s if a.ndim and getattr(s, "mesh", None) == mesh else replicated
+        ),
+        abstract,
+        laid_out,
+    )
+    state = TrainState(jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated), params, opt_state)
+    specials = tuple(range(5))
+    masking = MaskingSpec(mask_id=4, vocab_size=cfg.model.vocab_size, special_ids=specials, rate=cfg.mlm.rate)
+    shardings = jax.tree.map(lambda x: x.sharding, state)
+    step, _ = compile_steps(cfg, graphdef, rest, tx, shardings, mesh, seq_len, masking, 0)
+    ids = jax.ShapeDtypeStruct((cfg.train.global_batch, seq_len), jnp.int32, sharding=batch_sharding(mesh))
+    stats = step.lower(state, ids, jnp.float32(1.0), jax.random.key(0)).compile().memory_analysis()
+    return int(
+        stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes + stats.temp_size_in_bytes
+    )
+
+
+def main(cfg: PretrainConfig, devices: int, seq_len: int, compile: bool = False) -> tuple[Plan, int | None]:
+    """The plan, and with `compile` the compiled step's figure on this machine's devices (None otherwise)."""
+    if seq_len > cfg.model.max_seq_len:
+        raise UserError(f"--seq-len {seq_len} is longer than the model's {cfg.model.max_seq_len} positions")
+    plan = estimate(cfg, devices, seq_len)
+    measured = None
+    if compile:
+        if devices != len(jax.devices()) and not cfg.mesh.num_devices:
+            raise UserError(f"--compile compiles for this machine's {len(jax.devices())} devices; drop --devices")
+        measured = compiled_bytes(cfg, seq_len)
+    return plan, measured
+
+
+def describe(cfg: PretrainConfig, plan: Plan) -> str:
+    m = cfg.model
+    mesh = ", ".join(f"{k} {plan.mesh[k]}" for k in MESH_AXES)
+    return (
+        f"{m.num_layers}x{m.hidden_size} ({m.num_params() / 1e6:.1f} M parameters{', remat' if m.remat else ''}, "
+        f"{m.dtype}) on {plan.devices} device(s) [{mesh}]: global batch {cfg.train.global_batch}"
+        f"{f' in {cfg.train.grad_accum} micro-batches' if cfg.train.grad_accum > 1 else ''}, "
+        f"{plan.micro_batch} sequences x {plan.seq_len} tokens per device per micro-batch"
+    )
