@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import yaml
 from test_finetune import river_rows, write_table
-from test_pretrain import losses, params_of
+from test_pretrain import _wait_for_step, losses, params_of
 
 from bertforge.cli import main as cli
 from bertforge.tasks.launch import LaunchConfig, describe_exit, process_env
@@ -91,16 +91,6 @@ def test_two_processes_fine_tune_like_one(model_dir, tmp_path):
     assert sorted(one) == sorted(two) and len(one) == 64
     np.testing.assert_allclose([two[k] for k in one], [one[k] for k in one], atol=1e-5)
     assert (tmp_path / "two" / "fold-0" / "model" / "model.safetensors").exists()
-
-
-def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 180) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        assert proc.poll() is None, "the run ended before the kill"
-        if max(losses(run_dir), default=0) >= step:
-            return
-        time.sleep(0.05)
-    raise AssertionError("the run is too slow")
 
 
 def _process_pid(parent: int, process_id: int) -> int:

@@ -61,7 +61,7 @@ def test_plan_command_prints_the_table_and_refuses_a_mesh_that_does_not_fit(caps
     out = capsys.readouterr().out
     assert "on 64 device(s) [data 64, fsdp 1, tensor 1]" in out and "| peak of the step |" in out
     assert cli(["plan", "--config", "configs/pretrain/base.yaml", "--devices", "6", "--mesh.fsdp=4"]) == 2
-    assert "does not fit 6 devices" in capsys.readouterr().err
+    assert "config 'mesh': 6 devices do not split into fsdp=4 x tensor=1" in capsys.readouterr().err
 
 
 def test_remat_gives_the_losses_and_parameters_of_the_plain_step(tmp_path, shards):

@@ -139,7 +139,9 @@ def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: fl
     deadline = time.time() + timeout
     while time.time() < deadline:
         if proc.poll() is not None:
-            raise AssertionError(f"trainer exited early: {proc.stdout.read().decode()[-2000:]}")
+            out = proc.stdout.read() if proc.stdout else ""
+            out = out.decode() if isinstance(out, bytes) else out
+            raise AssertionError(f"trainer exited early: {out[-2000:]}")
         if max(losses(run_dir), default=0) >= step:
             return
         time.sleep(0.05)

@@ -29,21 +29,26 @@ RULES: dict[str, str | tuple[str, ...] | None] = {
 }
 
 
-def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices=None) -> Mesh:
-    """A ('data', 'fsdp', 'tensor') mesh over all devices; -1 takes what the other axes leave."""
-    devices = list(jax.devices() if devices is None else devices)
+def mesh_shape(data: int, fsdp: int, tensor: int, num_devices: int) -> dict[str, int]:
+    """The sizes of the ('data', 'fsdp', 'tensor') axes over `num_devices` devices; -1 takes what the others leave."""
     sizes = [data, fsdp, tensor]
     if sizes.count(-1) > 1:
         raise ValueError("at most one mesh axis may be -1")
     known = int(np.prod([s for s in sizes if s != -1]))
     if -1 in sizes:
-        if len(devices) % known:
-            raise ValueError(f"{len(devices)} devices do not split into fsdp={fsdp} x tensor={tensor}")
-        sizes[sizes.index(-1)] = len(devices) // known
-    if int(np.prod(sizes)) != len(devices):
-        raise ValueError(
-            f"mesh {dict(zip(MESH_AXES, sizes, strict=True))} needs {np.prod(sizes)} devices, there are {len(devices)}"
-        )
+        if num_devices % known:
+            raise ValueError(f"{num_devices} devices do not split into fsdp={fsdp} x tensor={tensor}")
+        sizes[sizes.index(-1)] = num_devices // known
+    shape = dict(zip(MESH_AXES, sizes, strict=True))
+    if int(np.prod(sizes)) != num_devices:
+        raise ValueError(f"mesh {shape} needs {np.prod(sizes)} devices, there are {num_devices}")
+    return shape
+
+
+def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices=None) -> Mesh:
+    """A ('data', 'fsdp', 'tensor') mesh over all devices; -1 takes what the other axes leave."""
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = list(mesh_shape(data, fsdp, tensor, len(devices)).values())
     return Mesh(np.array(devices).reshape(sizes), MESH_AXES)
 
 

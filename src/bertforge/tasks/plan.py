@@ -28,10 +28,10 @@ from flax import nnx
 from bertforge.data.masking import MaskingSpec
 from bertforge.errors import UserError
 from bertforge.model.bert import ModelConfig, build
-from bertforge.parallel import MESH_AXES, batch_sharding, logical_axes, param_shardings, spec_for
-from bertforge.tasks.pretrain import PretrainConfig, build_mesh, compile_steps
+from bertforge.parallel import MESH_AXES, batch_sharding, logical_axes, mesh_shape, param_shardings, spec_for
+from bertforge.tasks.pretrain import PretrainConfig, build_mesh, check_batch_split, compile_steps
 from bertforge.train.optim import make_optimizer
-from bertforge.train.step import TrainState, prediction_capacity
+from bertforge.train.step import abstract_train_state, prediction_capacity
 
 MiB = 2**20
 ADAM_MOMENTS = 2
@@ -66,37 +66,26 @@ class Plan:
 
 def resolve_mesh(cfg: PretrainConfig, devices: int) -> dict[str, int]:
     """The mesh shape `cfg.mesh` gives on `devices` devices, checked as `bertforge pretrain` checks it."""
-    sizes = {"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp, "tensor": cfg.mesh.tensor}
-    known = math.prod(v for v in sizes.values() if v != -1)
-    free = [k for k, v in sizes.items() if v == -1]
-    if len(free) > 1 or devices % known:
-        raise UserError(f"config 'mesh': {sizes} does not fit {devices} devices")
-    if free:
-        sizes[free[0]] = devices // known
-    if math.prod(sizes.values()) != devices:
-        raise UserError(f"config 'mesh': {sizes} needs {math.prod(sizes.values())} devices, not {devices}")
-    shards = sizes["data"] * sizes["fsdp"]
-    micro = cfg.train.global_batch // cfg.train.grad_accum
-    if micro % shards:
-        raise UserError(
-            f"train.global_batch={cfg.train.global_batch} with grad_accum={cfg.train.grad_accum} does not split "
-            f"over {shards} devices (mesh data x fsdp)"
-        )
-    return sizes
+    try:
+        shape = mesh_shape(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices)
+    except ValueError as e:
+        raise UserError(f"config 'mesh': {e}") from None
+    check_batch_split(shape, cfg.train.global_batch, cfg.train.grad_accum, "train.global_batch")
+    return shape
 
 
-def parameter_bytes(model_cfg: ModelConfig, mesh_shape: dict[str, int]) -> tuple[int, int]:
+def parameter_bytes(model_cfg: ModelConfig, sizes: dict[str, int]) -> tuple[int, int]:
     """(bytes per device, bytes in all) of the float32 parameters, split as the sharding rules split them."""
     model = nnx.eval_shape(lambda: build(model_cfg, "mlm"))
     per_device = total = 0
     for var in jax.tree.leaves(nnx.state(model, nnx.Param), is_leaf=lambda x: isinstance(x, nnx.Variable)):
         shape = var.get_value().shape
         size = math.prod(shape) * 4
-        spec = spec_for(mesh_shape, logical_axes(var), shape)
+        spec = spec_for(sizes, logical_axes(var), shape)
         split = 1
         for axes in spec:
             names = (axes,) if isinstance(axes, str) else (axes or ())
-            split *= math.prod(mesh_shape[n] for n in names)
+            split *= math.prod(sizes[n] for n in names)
         per_device += size // split
         total += size
     return per_device, total
@@ -142,17 +131,7 @@ def compiled_bytes(cfg: PretrainConfig, seq_len: int) -> int:
         params,
     )
     tx = make_optimizer(cfg.optim, params, cfg.model.num_layers)
-    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    laid_out = jax.jit(tx.init).lower(params).compile().output_shardings
-    abstract = jax.eval_shape(tx.init, params)
-    opt_state = jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(
-            a.shape, a.dtype, sharding=s if a.ndim and getattr(s, "mesh", None) == mesh else replicated
-        ),
-        abstract,
-        laid_out,
-    )
-    state = TrainState(jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated), params, opt_state)
+    state = abstract_train_state(params, tx, mesh)
     specials = tuple(range(5))
     masking = MaskingSpec(mask_id=4, vocab_size=cfg.model.vocab_size, special_ids=specials, rate=cfg.mlm.rate)
     shardings = jax.tree.map(lambda x: x.sharding, state)

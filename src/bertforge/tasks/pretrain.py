@@ -130,7 +130,13 @@ def build_mesh(cfg: MeshConfig, global_batch: int, grad_accum: int, batch_key: s
         mesh = make_mesh(cfg.data, cfg.fsdp, cfg.tensor, devices)
     except ValueError as e:
         raise UserError(f"config 'mesh': {e}") from None
-    shards = mesh.shape["data"] * mesh.shape["fsdp"]
+    check_batch_split(dict(mesh.shape), global_batch, grad_accum, batch_key)
+    return mesh
+
+
+def check_batch_split(shape: dict[str, int], global_batch: int, grad_accum: int, batch_key: str) -> None:
+    """Refuse a micro-batch (global_batch / grad_accum) that does not split over the mesh's batch shards."""
+    shards = shape["data"] * shape["fsdp"]
     micro = global_batch // grad_accum
     if micro % shards:
         raise UserError(
@@ -138,7 +144,6 @@ def build_mesh(cfg: MeshConfig, global_batch: int, grad_accum: int, batch_key: s
             f"split over {shards} devices (mesh data x fsdp); use {batch_key} "
             f"{_suggest_batches(global_batch, shards * grad_accum)}"
         )
-    return mesh
 
 
 def total_steps(cfg: TrainConfig, batches_per_epoch: int, seq_len: int) -> int | None:

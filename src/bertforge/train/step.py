@@ -28,14 +28,30 @@ class TrainState(NamedTuple):
     opt_state: Any
 
 
+def _compiled_init(tx: Any, params: Any, mesh: jax.sharding.Mesh) -> tuple[Any, Any]:
+    """tx.init compiled for `params` (arrays or ShapeDtypeStructs with shardings), and the optimizer state's
+    layout: moments laid out like their parameters, as the compiler places them, and its scalars replicated."""
+    init = jax.jit(tx.init).lower(params).compile()
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    shardings = jax.tree.map(lambda s: s if getattr(s, "mesh", None) == mesh else replicated, init.output_shardings)
+    return init, shardings
+
+
 def new_train_state(params: Any, tx: Any, mesh: jax.sharding.Mesh) -> TrainState:
     """Step 0 with the optimizer's moments laid out like their parameters and its scalars replicated."""
+    init, shardings = _compiled_init(tx, params, mesh)
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return TrainState(jax.device_put(jnp.int32(0), replicated), params, jax.device_put(init(params), shardings))
+
+
+def abstract_train_state(params: Any, tx: Any, mesh: jax.sharding.Mesh) -> TrainState:
+    """new_train_state's shapes, dtypes and shardings, for ShapeDtypeStruct parameters: nothing allocated."""
+    _, shardings = _compiled_init(tx, params, mesh)
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     opt_state = jax.tree.map(
-        lambda x: x if getattr(x.sharding, "mesh", None) == mesh else jax.device_put(x, replicated),
-        jax.jit(tx.init)(params),
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), jax.eval_shape(tx.init, params), shardings
     )
-    return TrainState(jax.device_put(jnp.int32(0), replicated), params, opt_state)
+    return TrainState(jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated), params, opt_state)
 
 
 @dataclasses.dataclass(frozen=True)
