@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -146,27 +145,6 @@ def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: fl
             return
         time.sleep(0.05)
     raise AssertionError("trainer too slow")
-
-
-def test_kill_9_then_the_same_command_continues_as_if_never_stopped(shards, tmp_path):
-    reference, killed = tmp_path / "reference", tmp_path / "killed"
-    subprocess.run(_command(shards, reference), check=True, capture_output=True, timeout=300)
-    kill_at = random.Random(os.environ.get("PYTEST_SEED", "bertforge")).randint(6, 24)
-    proc = subprocess.Popen(_command(shards, killed), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    _wait_for_step(killed, kill_at, proc)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    resumed_from = max(int(p.name) for p in (killed / "checkpoints").iterdir() if p.name.isdigit())
-    assert resumed_from < 30
-    subprocess.run(_command(shards, killed), check=True, capture_output=True, timeout=300)
-    for key in ("loss", "accuracy", "grad_norm", "lr", "valid_loss"):
-        ref, got = losses(reference, key), losses(killed, key)
-        assert sorted(got) == sorted(ref), key
-        for step in ref:
-            if step > resumed_from:
-                assert got[step] == ref[step], (key, step)
-    for x, y in zip(params_of(reference), params_of(killed), strict=True):
-        np.testing.assert_array_equal(y, x)
 
 
 def test_sigterm_saves_a_checkpoint_before_exit(shards, tmp_path):

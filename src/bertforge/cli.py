@@ -10,7 +10,7 @@ import traceback
 from collections.abc import Sequence
 from typing import Any
 
-from bertforge.errors import UserError
+from bertforge.errors import StorageError, UserError, storage_problem
 
 
 def _make(cls: Any, **kwargs: Any) -> Any:
@@ -422,6 +422,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         reconfigure(line_buffering=True)  # lines show as they come when stdout is a file or a pipe
     if args.command == "launch":
         extra = []  # everything after `launch` belongs to the launched command
+    leave_at_once = False
     try:
         if extra and not getattr(args, "takes_overrides", False):
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
@@ -429,6 +430,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         code = 2
+        leave_at_once = isinstance(e, StorageError)
+    except OSError as e:
+        problem = storage_problem(e)
+        if problem is None:
+            raise
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"error: {where}{problem}; free space and run the same command again", file=sys.stderr)
+        code, leave_at_once = 2, True
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         code = 130
@@ -437,9 +446,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         traceback.print_exc()
         code = 1
-    if code not in (0, 143) and _in_multiprocess_run():
+    if leave_at_once or (code not in (0, 143) and _in_multiprocess_run()):
         # Leave at once: a normal exit waits at JAX's shutdown barrier for processes that, stuck in a collective
-        # with this one, never come. Gone, this process stops sending heartbeats and the others stop too.
+        # with this one, never come. Gone, this process stops sending heartbeats and the others stop too. After a
+        # refused write, orbax's background writers are failing too and would only add their tracebacks.
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

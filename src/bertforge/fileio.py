@@ -2,29 +2,67 @@
 
 from __future__ import annotations
 
+import glob
 import json
 import os
+import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from bertforge.errors import UserError
 
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
+
+def _remove_leftovers(path: Path) -> None:
+    """Temporary files or folders of earlier writes of `path` that a kill interrupted."""
+    for old in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
+        shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink(missing_ok=True)
+
 
 def write_atomic(path: str | Path, data: str | bytes) -> None:
     """Write to a temporary file beside `path`, fsync, then rename over it."""
     path = Path(path)
+    _remove_leftovers(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~_UMASK)  # as open() would create it; mkstemp makes it private
         with os.fdopen(fd, "wb") as fh:
             fh.write(data.encode("utf-8") if isinstance(data, str) else data)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        if isinstance(e, OSError) and e.filename is None:  # name the file a full disk refused
+            raise OSError(e.errno, e.strerror, str(path)) from None
         raise
+
+
+def temp_folder_beside(path: Path) -> Path:
+    """A new empty folder next to `path`, with the permissions mkdir would give (mkdtemp makes it private)."""
+    _remove_leftovers(path)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    tmp.chmod(0o777 & ~_UMASK)
+    return tmp
+
+
+def write_folder_atomic(path: str | Path, fill: Callable[[Path], None]) -> None:
+    """Let `fill` write a temporary folder beside `path`, then rename it to `path` (replacing what was there)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_folder_beside(path)
+    try:
+        fill(tmp)
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def read_json_object(path: str | Path) -> dict[str, Any]:

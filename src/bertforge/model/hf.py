@@ -11,7 +11,6 @@ import json
 import os
 import re
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,7 @@ from safetensors import safe_open
 from safetensors.numpy import save as safetensors_bytes
 
 from bertforge.errors import UserError
-from bertforge.fileio import read_json_object, write_atomic
+from bertforge.fileio import read_json_object, temp_folder_beside, write_atomic
 from bertforge.model.bert import ACTIVATIONS, MaskedLM, ModelConfig, SequenceClassifier, build
 from bertforge.tokenizer import BertTokenizer
 
@@ -446,10 +445,13 @@ def save_pretrained(
     out: str | os.PathLike,
     tokenizer: BertTokenizer | None = None,
     id2label: dict[int, str] | None = None,
+    extra_files: dict[str, str] | None = None,
 ) -> Path:
     """Write a folder that transformers' AutoModelForMaskedLM / AutoModelForSequenceClassification load.
 
     Files are written into a temporary folder and moved into place, so a crash never leaves a half-written export.
+    Over an existing folder, its config.json goes first and the new one comes last: a folder caught in between has
+    none, and neither transformers nor bertforge loads it.
     """
     out = Path(out)
     head = "mlm" if isinstance(model, MaskedLM) else "sequence"
@@ -463,7 +465,7 @@ def save_pretrained(
             f"{model.config.vocab_size} rows"
         )
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    tmp = temp_folder_beside(out)
     try:
         config = config_to_hf(model.config, head, id2label)
         write_atomic(tmp / "config.json", json.dumps(config, indent=2) + "\n")
@@ -471,10 +473,13 @@ def save_pretrained(
         write_atomic(tmp / "model.safetensors", blob)
         if tokenizer is not None:
             tokenizer.save(tmp)
+        for name, text in (extra_files or {}).items():
+            write_atomic(tmp / name, text)
         if not out.exists():
             os.replace(tmp, out)
         else:
-            for f in tmp.iterdir():
+            (out / "config.json").unlink(missing_ok=True)
+            for f in sorted(tmp.iterdir(), key=lambda f: f.name == "config.json"):
                 os.replace(f, out / f.name)
             tmp.rmdir()
     finally:

@@ -56,7 +56,13 @@ def load_run(run: str | Path, which: str = "latest") -> Pretrained:
     checkpoints = Checkpoints(run / "checkpoints")
     try:
         step = _step(checkpoints, which, run)
-        state, _ = checkpoints.restore(step, target)
+        if which == "latest":  # the newest whole one
+            found = checkpoints.restore_newest_good(target)
+            if found is None:
+                raise UserError(f"{run}: every checkpoint is damaged")
+            _, state, _ = found
+        else:
+            state, _ = checkpoints.restore(step, target)
     finally:
         checkpoints.close()
     model = nnx.merge(graphdef, state.params, rest)
@@ -67,7 +73,6 @@ def load_run(run: str | Path, which: str = "latest") -> Pretrained:
 
 def main(run: str, out: str, which: str = "latest") -> Path:
     pre = load_run(run, which)
-    path = save_pretrained(pre.model, out, pre.tokenizer)
     info = json.loads((Path(run) / RUN_FILE).read_text())
-    (path / "bertforge.json").write_text(json.dumps({"run": str(Path(run).absolute()), **info}, indent=2) + "\n")
-    return path
+    provenance = json.dumps({"run": str(Path(run).absolute()), **info}, indent=2) + "\n"
+    return save_pretrained(pre.model, out, pre.tokenizer, extra_files={"bertforge.json": provenance})

@@ -37,7 +37,7 @@ from bertforge.tasks.infer import INPUTS, outputs_by_length
 from bertforge.tasks.pretrain import LogConfig, MeshConfig, build_mesh
 from bertforge.tokenizer import TRUNCATIONS, Encoded
 from bertforge.train import loop, metrics
-from bertforge.train.checkpoint import Checkpoints, RunLock
+from bertforge.train.checkpoint import DAMAGED, Checkpoints, RunLock
 from bertforge.train.logging import MetricsLog
 from bertforge.train.optim import OptimConfig, learning_rate, make_optimizer, warmup_fraction
 from bertforge.train.sequence_step import DEFAULT_LOSS, LOSSES, SequenceStepConfig, predict_step, train_step
@@ -315,8 +315,10 @@ def _train_fold(job: Job, fold: int, train_rows: np.ndarray, valid_rows: np.ndar
     if checkpoints.latest_step() is not None:
         if resume == "never":
             raise UserError(f"{fold_dir}: already has checkpoints; use another --out, or --resume auto to continue")
-        state, meta = checkpoints.restore(checkpoints.latest_step(), state)
-        start_step, elapsed = int(state.step), float(meta.get("elapsed", 0.0))
+        found = checkpoints.restore_newest_good(state, fold_dir / DAMAGED)
+        if found is not None:
+            _, state, meta = found
+            start_step, elapsed = int(state.step), float(meta.get("elapsed", 0.0))
 
     size = cfg.train.batch_size
     per_epoch = math.ceil(len(train_rows) / size)

@@ -24,6 +24,7 @@ from bertforge.config import to_dict
 from bertforge.data.masking import MaskingSpec, continuation_table
 from bertforge.data.shards import BatchLoader, Shards
 from bertforge.errors import UserError
+from bertforge.fileio import write_atomic, write_folder_atomic
 from bertforge.model.bert import ModelConfig, build
 from bertforge.model.presets import preset
 from bertforge.parallel import batch_sharding, global_array, make_mesh, param_shardings
@@ -31,7 +32,7 @@ from bertforge.tasks.export import RUN_FILE
 from bertforge.tasks.init import fit_to_tokenizer
 from bertforge.tokenizer import BertTokenizer
 from bertforge.train import loop
-from bertforge.train.checkpoint import Checkpoints, RunLock
+from bertforge.train.checkpoint import DAMAGED, Checkpoints, RunLock
 from bertforge.train.logging import MetricsLog
 from bertforge.train.optim import OptimConfig, learning_rate, make_optimizer, warmup_fraction
 from bertforge.train.step import StepConfig, TrainState, eval_sums, new_train_state, prediction_capacity, train_step
@@ -209,8 +210,12 @@ def _restore_from(path: Path, state: TrainState) -> tuple[TrainState, dict[str, 
         raise UserError(f"{path}: no checkpoint to resume from")
     source = Checkpoints(directory)
     try:
-        step = source.latest_step() if step is None else step
-        if step is None or step not in source.all_steps():
+        if step is None:
+            found = source.restore_newest_good(state)
+            if found is None:
+                raise UserError(f"{path}: no whole checkpoint to resume from")
+            return found[1], found[2]
+        if step not in source.all_steps():
             raise UserError(f"{path}: no checkpoint to resume from")
         return source.restore(step, state)
     finally:
@@ -265,6 +270,8 @@ def _main(cfg: PretrainConfig, run_dir: Path, resume: str, vocab_given: bool) ->
     valid_shards = Shards(cfg.data.shards, "valid")
     if valid_shards.num_sequences == 0:
         valid_shards = None
+    else:
+        valid_shards.verify()  # checked now rather than at the first evaluation, steps later
     cfg = dataclasses.replace(cfg, model=model_cfg)
 
     mesh = build_mesh(cfg.mesh, cfg.train.global_batch, cfg.train.grad_accum, "train.global_batch")
@@ -293,22 +300,22 @@ def _main(cfg: PretrainConfig, run_dir: Path, resume: str, vocab_given: bool) ->
     start_step, elapsed = 0, 0.0
     if resume == "never" and checkpoints.latest_step() is not None:
         raise UserError(f"{run_dir}: already has checkpoints; use another --out, or --resume auto to continue")
-    if resume == "auto" and checkpoints.latest_step() is not None:
-        state, meta = checkpoints.restore(checkpoints.latest_step(), state)
+    meta = None
+    if resume == "auto" and (found := checkpoints.restore_newest_good(state, run_dir / DAMAGED)) is not None:
+        _, state, meta = found
     elif resume not in ("auto", "never"):
         state, meta = _restore_from(Path(resume), state)
-    else:
-        meta = None
     if meta is not None:
         loader.load_state_dict(meta["loader"])
         start_step, elapsed = int(state.step), float(meta.get("elapsed", 0.0))
 
     if jax.process_index() == 0:
         if not (run_tokenizer / "tokenizer.json").exists():
-            tokenizer.save(run_tokenizer)
-        (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-        (run_dir / RUN_FILE).write_text(
-            json.dumps({"kind": "pretrain", "model": to_dict(model_cfg), "shards": cfg.data.shards}, indent=2) + "\n"
+            write_folder_atomic(run_tokenizer, tokenizer.save)
+        write_atomic(run_dir / "config.yaml", yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        write_atomic(
+            run_dir / RUN_FILE,
+            json.dumps({"kind": "pretrain", "model": to_dict(model_cfg), "shards": cfg.data.shards}, indent=2) + "\n",
         )
 
     masking = _masking_spec(cfg, tokenizer, manifest["special_ids"], model_cfg.vocab_size)

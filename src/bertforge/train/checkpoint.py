@@ -3,21 +3,89 @@
 Orbax writes each checkpoint into a temporary folder and renames it when whole, so a crash during a save leaves
 the previous checkpoint in force. We keep the latest K and the best K by validation loss. Besides the train
 state, a checkpoint holds JSON metadata: the data loader's position, the run's random key and the elapsed time.
+
+A rename proves a save finished, not that the bytes are still the ones written: disks, copies and partial
+deletions damage files later. So every checkpoint carries CHECKSUMS (size and sha256 of each file), written into
+the temporary folder once all processes have written their part and before orbax renames it, and a restore
+checks them first. A damaged checkpoint is reported and skipped for the previous good one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
+import hashlib
+import json
 import os
+import shutil
 import socket
+import sys
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from orbax.checkpoint._src.path.atomicity_types import TMP_DIR_SUFFIX
 from orbax.checkpoint.checkpoint_managers import AnyPreservationPolicy, BestN, LatestN
 
-from bertforge.errors import UserError
+from bertforge.errors import StorageError, UserError, storage_problem
+from bertforge.fileio import write_atomic
+
+CHECKSUMS = "bertforge-checksums.json"
+DAMAGED = "damaged"  # where damaged checkpoints of a run are set aside
+
+
+class DamagedCheckpoint(UserError):
+    def __init__(self, folder: Path, problem: str):
+        super().__init__(f"{folder}: checkpoint damaged ({problem})")
+        self.problem = problem
+
+
+# Orbax rewrites these two after the checksums are taken (commit time, success marker); neither holds the state.
+_UNCHECKED = {CHECKSUMS, "_CHECKPOINT_METADATA", "commit_success.txt"}
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_checksums(folder: Path) -> None:
+    """Record the size and sha256 of every file under `folder` in folder/CHECKSUMS."""
+    files = {}
+    for path in sorted(folder.rglob("*")):
+        rel = path.relative_to(folder).as_posix()
+        if path.is_file() and rel not in _UNCHECKED:
+            files[rel] = [path.stat().st_size, _sha256(path)]
+    write_atomic(folder / CHECKSUMS, json.dumps({"files": files}) + "\n")
+
+
+def damage(folder: Path) -> str | None:
+    """What is wrong with a checkpoint folder's files, or None when each matches its recorded checksum."""
+    try:
+        files = json.loads((folder / CHECKSUMS).read_text(encoding="utf-8"))["files"]
+        assert isinstance(files, dict) and files
+    except FileNotFoundError:
+        return f"{CHECKSUMS} is missing"
+    except (ValueError, KeyError, TypeError, AssertionError, UnicodeDecodeError):
+        return f"{CHECKSUMS} is unreadable"
+    for rel, entry in files.items():
+        path = folder / rel
+        if Path(rel).is_absolute() or ".." in Path(rel).parts:
+            return f"{CHECKSUMS} names {rel!r}, outside the checkpoint"
+        if not path.is_file():
+            return f"{rel} is missing"
+        size, digest = entry
+        if path.stat().st_size != size:
+            return f"{rel} has {path.stat().st_size} bytes, {size} were written"
+        if _sha256(path) != digest:
+            return f"{rel} does not match its sha256"
+    return None
 
 
 class RunLock:
@@ -66,9 +134,18 @@ class Checkpoints:
             preservation_policy=AnyPreservationPolicy(policies),
             cleanup_tmp_directories=True,
             enable_async_checkpointing=True,
+            async_options=ocp.AsyncOptions(post_finalization_callback=self._seal),
         )
         self.directory = Path(directory).absolute()
+        self._saving: int | None = None
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
+
+    def _seal(self) -> None:
+        """Orbax calls this on the primary process once every process has written its part of the step and before
+        it renames the temporary folder, so the checksums arrive with the rename or not at all."""
+        step = self._saving
+        tmp = self.directory / f"{step}{TMP_DIR_SUFFIX}"
+        write_checksums(tmp if tmp.is_dir() else self.directory / str(step))
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -82,10 +159,45 @@ class Checkpoints:
     def save(self, step: int, state: Any, meta: dict[str, Any], valid_loss: float | None = None) -> None:
         metrics = None if valid_loss is None else {"valid_loss": float(valid_loss)}
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
-        self.manager.save(step, args=args, metrics=metrics, force=True)
+        self.wait()  # _saving belongs to one save at a time
+        self._saving = step
+        self._check_space(step, state)
+        with self._refused_writes():
+            self.manager.save(step, args=args, metrics=metrics, force=True)
 
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        with self._refused_writes():
+            self.manager.wait_until_finished()
+
+    def _check_space(self, step: int, state: Any) -> None:
+        """Refuse a save that cannot fit before orbax starts it: a disk filling up halfway through a save is
+        handled too, but then orbax's writers fail all at once and loudly. Old checkpoints are deleted only after
+        the new one is whole, so the new one needs room beside them."""
+        need = sum(getattr(x, "nbytes", 0) for x in jax.tree.leaves(state)) + (1 << 20)
+        free = shutil.disk_usage(self.directory).free
+        if free < need:
+            raise StorageError(
+                f"{self.directory}: {free / 2**20:.1f} MiB free, checkpoint {step} needs up to {need / 2**20:.1f} MiB; "
+                f"{self._whole()}. Free space and run the same command to continue"
+            )
+
+    def _whole(self) -> str:
+        whole = [s for s in self.all_steps() if s != self._saving]
+        return f"checkpoint {max(whole)} is whole" if whole else "no checkpoint was completed"
+
+    @contextlib.contextmanager
+    def _refused_writes(self) -> Iterator[None]:
+        """A save the disk refused (the background write of the previous one surfaces here) -> StorageError."""
+        try:
+            yield
+        except Exception as e:
+            problem = storage_problem(e)
+            if problem is None:
+                raise
+            raise StorageError(
+                f"{self.directory}: could not save checkpoint {self._saving} ({problem}); {self._whole()}. "
+                "Free space and run the same command to continue"
+            ) from None
 
     def restore(self, step: int, target: Any) -> tuple[Any, dict[str, Any]]:
         """The state laid out like `target` and the metadata. Leaves of `target` without a sharding (plain arrays
@@ -98,10 +210,48 @@ class Checkpoints:
             sharding = getattr(x, "sharding", None)
             return jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding if sharding is not None else here)
 
+        problem = self.damage(step)
+        if problem is not None:
+            raise DamagedCheckpoint(self.directory / str(step), problem)
         abstract = jax.tree.map(abstract_leaf, target)
         args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore())
-        restored = self.manager.restore(step, args=args)
+        try:
+            restored = self.manager.restore(step, args=args)
+        except Exception as e:  # checksums match but orbax cannot read it: damaged all the same
+            raise DamagedCheckpoint(self.directory / str(step), f"unreadable: {type(e).__name__}") from None
         return restored["state"], dict(restored["meta"])
+
+    def damage(self, step: int) -> str | None:
+        return damage(self.directory / str(step))
+
+    def restore_newest_good(
+        self, target: Any, set_aside: Path | None = None, say: Callable[[str], None] | None = None
+    ) -> tuple[int, Any, dict[str, Any]] | None:
+        """(step, state, metadata) of the newest checkpoint that is whole, or None when there is none. Each damaged
+        one on the way is reported through `say` and, when `set_aside` is given, moved there so that the run can
+        write that step again (kept, not deleted: it may be worth a look)."""
+        say = say or (lambda line: print(line, file=sys.stderr, flush=True))
+        for step in sorted(self.all_steps(), reverse=True):
+            try:
+                return (step, *self.restore(step, target))
+            except DamagedCheckpoint as e:
+                problem = e.problem
+            moved = ""
+            if set_aside is not None:
+                if jax.process_index() == 0:
+                    set_aside.mkdir(parents=True, exist_ok=True)
+                    stamp = time.strftime("%Y%m%d-%H%M%S")
+                    shutil.move(self.directory / str(step), set_aside / f"checkpoint-{step}-{stamp}")
+                if jax.process_count() > 1:
+                    from jax.experimental import multihost_utils
+
+                    multihost_utils.sync_global_devices(f"bertforge set aside checkpoint {step}")
+                self.manager.reload()
+                moved = f"moved to {set_aside}; "
+            older = [s for s in self.all_steps() if s < step]
+            then = f"trying checkpoint {max(older)}" if older else "no older checkpoint"
+            say(f"warning: checkpoint {step} is damaged ({problem}); {moved}{then}")
+        return None
 
     def close(self) -> None:
         self.manager.close()

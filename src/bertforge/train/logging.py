@@ -15,6 +15,7 @@ import jax
 from tqdm.auto import tqdm
 
 from bertforge.errors import UserError
+from bertforge.fileio import write_atomic
 
 
 class MetricsLog:
@@ -38,7 +39,7 @@ class MetricsLog:
         if self.path.exists():
             # A resumed run continues the file: entries past the restored step are from the lost attempt.
             kept = [line for line in self.path.read_text().splitlines() if _step_of(line) <= start_step]
-            self.path.write_text("".join(line + "\n" for line in kept))
+            write_atomic(self.path, "".join(line + "\n" for line in kept))
         if tensorboard:
             from tensorboardX import SummaryWriter
 
@@ -104,4 +105,7 @@ def _step_of(line: str) -> int:
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    lines = [line for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    if lines and _step_of(lines[-1]) == 1 << 62:
+        lines.pop()  # torn by a kill during the append; the next run drops it too
+    return [json.loads(line) for line in lines]

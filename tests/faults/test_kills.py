@@ -1,0 +1,185 @@
+"""Kill -9 at random moments of preprocess, pretrain (in a step, in a checkpoint save), export and finetune; the
+same command run again must give exactly what an uninterrupted run gives, and nothing half-written is taken whole."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import bertforge, kill_when, killer, rng, run_killed, run_ok, seeds
+from test_finetune import FAST, river_rows, write_table
+from test_preprocess import make_documents, write_text
+from test_pretrain import losses, params_of
+
+from bertforge.train.checkpoint import damage
+
+PRETRAIN = ["--model.preset=test", "--train.global_batch=16", "--train.max_steps=30", "--optim.lr=3e-3",
+            "--checkpoint.every=4", "--eval.every=10", "--log.every=1", "--log.tensorboard=false"]  # fmt: skip
+
+
+def pretrain_args(shards: Path, out: Path) -> list[str]:
+    return ["pretrain", "--data", str(shards), "--out", str(out), *PRETRAIN]
+
+
+@pytest.fixture(scope="module")
+def reference(shards, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("reference") / "run"
+    run_ok(bertforge(*pretrain_args(shards, out)))
+    return out
+
+
+def newest_whole_checkpoint(run: Path) -> int:
+    steps = [int(p.name) for p in (run / "checkpoints").glob("*") if p.name.isdigit() and damage(p) is None]
+    return max(steps, default=0)
+
+
+def assert_same_run(reference: Path, run: Path) -> None:
+    """Every logged metric of every step, and the final parameters, equal the uninterrupted run's."""
+    for key in ("loss", "accuracy", "grad_norm", "lr", "valid_loss"):
+        assert losses(run, key) == losses(reference, key), key
+    for x, y in zip(params_of(reference), params_of(run), strict=True):
+        np.testing.assert_array_equal(y, x)
+    assert not list((run / "checkpoints").glob("*tmp*")), "a temporary checkpoint folder was left behind"
+
+
+def resume_and_compare(shards: Path, reference: Path, run: Path) -> None:
+    resumed_from = newest_whole_checkpoint(run)
+    out = run_ok(bertforge(*pretrain_args(shards, run)))
+    if resumed_from:
+        assert f"resuming from step {resumed_from}" in out
+    assert_same_run(reference, run)
+
+
+@pytest.mark.parametrize("seed", seeds())
+def test_pretrain_killed_at_a_random_step(shards, reference, tmp_path, tally, seed):
+    tally("kill")
+    r = rng("step", seed)
+    run, step, delay = tmp_path / "run", r.randint(2, 28), r.uniform(0, 0.1)
+    kill_when(bertforge(*pretrain_args(shards, run)), lambda: max(losses(run), default=0) >= step, delay)
+    resume_and_compare(shards, reference, run)
+
+
+@pytest.mark.parametrize("seed", seeds())
+def test_pretrain_killed_inside_a_checkpoint_save(shards, reference, tmp_path, tally, seed):
+    tally("kill")
+    r = rng("save", seed)
+    # Saves at steps 4, 8, ..., 28; the timer fires while orbax writes, renames or deletes in the background.
+    spec = f"after:bertforge.train.checkpoint:Checkpoints.save:{r.randint(1, 7)}:{r.uniform(0.001, 0.12):.4f}"
+    run_killed(killer(spec, *pretrain_args(shards, tmp_path / "run")))
+    resume_and_compare(shards, reference, tmp_path / "run")
+
+
+def test_pretrain_killed_after_the_data_is_written_and_before_the_rename(shards, reference, tmp_path, tally):
+    """The narrowest moment of a save: every array on disk, its checksums about to be written, no rename yet."""
+    tally("kill", 2)
+    run = tmp_path / "run"
+    run_killed(killer("after:bertforge.train.checkpoint:write_checksums:3:0", *pretrain_args(shards, run)))
+    assert newest_whole_checkpoint(run) == 8 and list((run / "checkpoints").glob("12.orbax-checkpoint-tmp"))
+    run_killed(killer("inside:bertforge.train.checkpoint:write_checksums:40", *pretrain_args(shards, run)))
+    resume_and_compare(shards, reference, run)
+
+
+# ------------------------------------------------------------------------------------------------------ export
+def export_files(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def exports(reference, tmp_path_factory) -> dict:
+    """The reference run's export at its end and at step 28, and how many calls an export makes."""
+    root = tmp_path_factory.mktemp("exports")
+    run_ok(bertforge("export", str(reference), "--out", str(root / "old"), "--step", "28"))
+    count = killer("count:bertforge.model.hf:save_pretrained", "export", str(reference), "--out", str(root / "new"))
+    out = run_ok(count)
+    calls = int(out.split("calls: ")[1].split()[0])
+    return {"new": export_files(root / "new"), "old": export_files(root / "old"), "calls": calls, "root": root}
+
+
+@pytest.mark.parametrize("seed", seeds())
+def test_export_killed_while_writing(reference, exports, tmp_path, tally, seed):
+    tally("kill")
+    r = rng("export", seed)
+    out = tmp_path / "hf"
+    if seed % 2:  # over an older export of the same run
+        shutil.copytree(exports["root"] / "old", out)
+    k = r.randint(1, exports["calls"] - 1)
+    run_killed(killer(f"inside:bertforge.model.hf:save_pretrained:{k}", "export", str(reference), "--out", str(out)))
+    if (out / "config.json").exists():  # loadable, so it must be one whole export: the old one or the new one
+        assert export_files(out) in (exports["old"], exports["new"])
+    run_ok(bertforge("export", str(reference), "--out", str(out)))
+    assert export_files(out) == exports["new"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "a temporary export folder was left"
+
+
+# ------------------------------------------------------------------------------------------------------ finetune
+FINETUNE = [*FAST, "--folds", "2", "--train.epochs=3", "--train.evals_per_epoch=2"]
+
+
+def finetune_args(model_dir: Path, data: Path, out: Path) -> list[str]:
+    return ["finetune", "--model", str(model_dir), "--data", str(data), "--out", str(out), *FINETUNE]
+
+
+def finetune_outputs(run: Path) -> dict:
+    summary = json.loads((run / "summary.json").read_text())
+    return {
+        "oof": (run / "oof.csv").read_text(),
+        "scores": [f["score"] for f in summary["folds"]],
+        "models": [(run / f"fold-{f}" / "model" / "model.safetensors").read_bytes() for f in (0, 1)],
+    }
+
+
+@pytest.fixture(scope="module")
+def finetune_reference(model_dir, tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("finetune")
+    data = write_table(root / "train.csv", river_rows(64, seed=5))
+    started = time.perf_counter()
+    run_ok(bertforge(*finetune_args(model_dir, data, root / "run")))
+    return {"data": data, "seconds": time.perf_counter() - started, **finetune_outputs(root / "run")}
+
+
+@pytest.mark.parametrize("seed", seeds())
+def test_finetune_killed_at_a_random_moment(model_dir, finetune_reference, tmp_path, tally, seed):
+    tally("kill")
+    r = rng("finetune", seed)
+    run, started = tmp_path / "run", time.perf_counter()
+    ready = lambda: time.perf_counter() - started > r.uniform(0.35, 0.9) * finetune_reference["seconds"]
+    kill_when(bertforge(*finetune_args(model_dir, finetune_reference["data"], run)), ready, 0)
+    run_ok(bertforge(*finetune_args(model_dir, finetune_reference["data"], run)))
+    got = finetune_outputs(run)
+    assert got == {k: finetune_reference[k] for k in got}
+
+
+# ------------------------------------------------------------------------------------------------------ preprocess
+def preprocess_args(wordpiece_dir: Path, corpus: Path, out: Path) -> list[str]:
+    return ["preprocess", "--tokenizer", str(wordpiece_dir), "--files", str(corpus), "--out", str(out),
+            "--seq-len", "32", "--shard-size", "300", "--workers", "2"]  # fmt: skip
+
+
+def shard_folder(out: Path) -> dict:
+    manifest = json.loads((out / "manifest.json").read_text())
+    del manifest["stats"], manifest["settings"]["out"]
+    return {"manifest": manifest, **{p.name: p.read_bytes() for p in out.glob("*.npy")}}
+
+
+@pytest.fixture(scope="module")
+def preprocess_reference(wordpiece_dir, tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("preprocess")
+    corpus = write_text(root / "corpus.txt", make_documents(n_docs=40000, seed=11))
+    started = time.perf_counter()
+    run_ok(bertforge(*preprocess_args(wordpiece_dir, corpus, root / "out")))
+    return {"corpus": corpus, "seconds": time.perf_counter() - started, "out": shard_folder(root / "out")}
+
+
+@pytest.mark.parametrize("seed", seeds())
+def test_preprocess_killed_at_a_random_moment(wordpiece_dir, preprocess_reference, tmp_path, tally, seed):
+    tally("kill")
+    r = rng("preprocess", seed)
+    out, started = tmp_path / "out", time.perf_counter()
+    ready = lambda: time.perf_counter() - started > r.uniform(0.3, 0.95) * preprocess_reference["seconds"]
+    kill_when(bertforge(*preprocess_args(wordpiece_dir, preprocess_reference["corpus"], out)), ready, 0)
+    run_ok(bertforge(*preprocess_args(wordpiece_dir, preprocess_reference["corpus"], out)))
+    assert shard_folder(out) == preprocess_reference["out"]
