@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 DEMO_OUT ?= demo-output
 
-.PHONY: demo test lint format install dev clean
+.PHONY: demo test faults lint format install dev clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,10 @@ lint: dev
 
 test: dev lint
 	$(BIN)/python -m pytest -m "not slow"
+
+# The whole fault suite: 20 seeds per kill, many more hostile inputs; tallies in fault-report.json.
+faults: dev
+	BERTFORGE_FAULTS=full BERTFORGE_FAULT_REPORT=fault-report.json $(BIN)/python -m pytest tests/faults -m ""
 
 format: dev
 	$(BIN)/ruff format .

@@ -428,7 +428,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         code = args.run(args, extra) if getattr(args, "takes_overrides", False) else args.run(args)
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+        # One line, whatever the message quotes from the input (a column name may hold a newline or U+2028).
+        text = "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in str(e))
+        print(f"error: {text}", file=sys.stderr)
         code = 2
         leave_at_once = isinstance(e, StorageError)
     except OSError as e:
@@ -437,7 +439,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         where = f"{e.filename}: " if e.filename else ""
         print(f"error: {where}{problem}; free space and run the same command again", file=sys.stderr)
-        code, leave_at_once = 2, True
+        code = 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         code = 130

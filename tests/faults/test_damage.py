@@ -66,7 +66,7 @@ HOW = ["flipped byte", "truncated file", "missing file", "flipped byte in the me
        "checksums not JSON", "emptied"]  # fmt: skip
 
 
-@pytest.mark.parametrize("how", HOW)
+@pytest.mark.parametrize("how", [pytest.param(h, marks=() if i < 3 else pytest.mark.slow) for i, h in enumerate(HOW)])
 def test_a_damaged_newest_checkpoint_is_named_and_the_previous_one_used(shards, finished, tmp_path, capsys, tally, how):
     tally("corruption")
     run = tmp_path / "run"

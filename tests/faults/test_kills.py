@@ -63,7 +63,7 @@ def test_pretrain_killed_at_a_random_step(shards, reference, tmp_path, tally, se
     resume_and_compare(shards, reference, run)
 
 
-@pytest.mark.parametrize("seed", seeds())
+@pytest.mark.parametrize("seed", seeds(fast=0))
 def test_pretrain_killed_inside_a_checkpoint_save(shards, reference, tmp_path, tally, seed):
     tally("kill")
     r = rng("save", seed)
@@ -141,7 +141,7 @@ def finetune_reference(model_dir, tmp_path_factory) -> dict:
     return {"data": data, "seconds": time.perf_counter() - started, **finetune_outputs(root / "run")}
 
 
-@pytest.mark.parametrize("seed", seeds())
+@pytest.mark.parametrize("seed", seeds(fast=0))
 def test_finetune_killed_at_a_random_moment(model_dir, finetune_reference, tmp_path, tally, seed):
     tally("kill")
     r = rng("finetune", seed)

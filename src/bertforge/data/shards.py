@@ -86,7 +86,10 @@ class Shards:
             raise UserError(f"{self.root}/{entry['path']}: shard missing") from None
         if hashlib.sha256(data).hexdigest() != entry["sha256"]:
             raise UserError(f"{self.root}/{entry['path']}: sha256 does not match {MANIFEST} (damaged or altered)")
-        array = np.load(io.BytesIO(data), allow_pickle=False)
+        try:
+            array = np.load(io.BytesIO(data), allow_pickle=False)
+        except ValueError:  # an object array: loading it would unpickle
+            raise UserError(f"{self.root}/{entry['path']}: not a plain array of token ids (never unpickled)") from None
         if array.shape != (int(entry["sequences"]), self.seq_len):
             raise UserError(f"{self.root}/{entry['path']}: shape {array.shape} disagrees with {MANIFEST}")
         return array

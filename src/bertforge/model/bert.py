@@ -9,6 +9,7 @@ Shapes: B batch, T tokens, D hidden, N heads, H head dim, F feed-forward, V voca
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -26,6 +27,19 @@ ACTIVATIONS = {
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 FLAVORS = ("bert", "roberta")
 POOLINGS = ("cls", "mean", "attention")
+
+
+# Upper bounds of the sizes a config may give: token ids are int32, and nothing in the BERT family comes near the
+# others; a vocabulary of 10^12 is a broken file, not a model to allocate.
+SIZE_LIMITS = {
+    "vocab_size": 2**31 - 1,
+    "hidden_size": 65_536,
+    "num_layers": 1_024,
+    "num_heads": 1_024,
+    "intermediate_size": 262_144,
+    "max_position_embeddings": 1_048_576,
+    "type_vocab_size": 65_536,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,11 +66,19 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.flavor not in FLAVORS:
             raise ValueError(f"flavor {self.flavor!r} is not one of {', '.join(FLAVORS)}")
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.type_vocab_size < 1:
-            raise ValueError(f"type_vocab_size must be positive, got {self.type_vocab_size}")
+        # Checked before anything is allocated: a config file can ask for any size.
+        for name, limit in SIZE_LIMITS.items():
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+            if not 1 <= value <= limit:
+                raise ValueError(f"{name} must be between 1 and {limit:,}, got {value:,}")
+        for name in ("layer_norm_eps", "initializer_range", "hidden_dropout", "attention_dropout"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a number, got {value!r}")
+        if not isinstance(self.pad_token_id, int) or isinstance(self.pad_token_id, bool):
+            raise ValueError(f"pad_token_id must be an integer, got {self.pad_token_id!r}")
         if self.hidden_size % self.num_heads:
             raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
         if self.hidden_act not in ACTIVATIONS:

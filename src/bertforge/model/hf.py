@@ -227,15 +227,21 @@ def _unflatten(flat: dict[Path_, Any]) -> dict:
     return out
 
 
+SAFE_WEIGHT_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*\.safetensors")
+
+
 def weight_files(folder: Path) -> list[Path]:
     """The safetensors files of a folder; a folder with only pickled weights is refused with the fix."""
     index = folder / "model.safetensors.index.json"
     if index.exists():
         try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError):
+            names = sorted(set(map(str, json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())))
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError):
             raise UserError(f"{index}: not a valid safetensors index (no weight_map)") from None
-        return [folder / name for name in sorted(set(weight_map.values()))]
+        for name in names:  # names come from a file: never let one point outside the folder
+            if not SAFE_WEIGHT_NAME.fullmatch(name):
+                raise UserError(f"{index}: weight file {name!r} is not a plain .safetensors file name")
+        return [folder / name for name in names]
     if (folder / "model.safetensors").exists():
         return [folder / "model.safetensors"]
     pickles = sorted(p.name for pattern in PICKLE_PATTERNS for p in folder.glob(pattern))
@@ -279,9 +285,25 @@ def load_weights(
     model: MaskedLM | SequenceClassifier, tensors: dict[str, np.ndarray], head: str, source: str
 ) -> list[str]:
     """Copy Hugging Face tensors into `model` in place; returns the head parameters that were absent."""
-    cfg = model.config
     state = nnx.state(model, nnx.Param)
     flat = _flatten(nnx.to_pure_dict(state))
+    missing_head = _match_weights(model.config, flat, tensors, head, source)
+    nnx.replace_by_pure_dict(state, _unflatten(flat))
+    nnx.update(model, state)
+    return missing_head
+
+
+def check_weight_shapes(
+    cfg: ModelConfig, tensors: dict[str, np.ndarray], head: str, num_labels: int, source: str
+) -> None:
+    """The checks of load_weights against the shapes the config implies, before a model of that size exists."""
+    abstract = nnx.eval_shape(lambda: build(cfg, head, num_labels=num_labels))
+    _match_weights(cfg, _flatten(nnx.to_pure_dict(nnx.state(abstract, nnx.Param))), tensors, head, source)
+
+
+def _match_weights(cfg: ModelConfig, flat: dict, tensors: dict[str, np.ndarray], head: str, source: str) -> list[str]:
+    """Put each tensor into `flat` (parameter path -> array or shape struct), checking shapes; returns the
+    missing head parameters."""
     tensors = _normalise_keys(tensors, cfg.flavor)
     missing_encoder, missing_head = [], []
     for row in key_table(cfg, head):
@@ -299,8 +321,6 @@ def load_weights(
     if missing_encoder:
         more = f" and {len(missing_encoder) - 1} more" if len(missing_encoder) > 1 else ""
         raise UserError(f"{source}: missing weight {missing_encoder[0]}{more} (does config.json match the weights?)")
-    nnx.replace_by_pure_dict(state, _unflatten(flat))
-    nnx.update(model, state)
     return missing_head
 
 
@@ -404,6 +424,7 @@ def load_pretrained(
     if num_labels is not None and num_labels != len(id2label):
         id2label = {i: f"LABEL_{i}" for i in range(num_labels)}
     tensors = read_weights(files)
+    check_weight_shapes(cfg, tensors, head, len(id2label), str(folder))
     model = build(cfg, head, num_labels=len(id2label), seed=seed)
     missing = load_weights(model, tensors, head, str(folder))
     if missing and require_head:

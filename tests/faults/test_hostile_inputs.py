@@ -1,0 +1,292 @@
+"""Hostile and broken input through every entry point: each gets a correct result or one line naming the file,
+row or key, and exit 2; never a traceback, never a hang. Property-based where it fits (hypothesis; `make faults`
+runs many more examples than CI)."""
+
+from __future__ import annotations
+
+import json
+import resource
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+from test_preprocess import content, rows_of
+
+from bertforge.cli import main as cli
+from bertforge.tokenizer import BertTokenizer
+
+settings.register_profile(
+    "ci", max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+settings.register_profile(
+    "full", max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+settings.load_profile("full" if __import__("os").environ.get("BERTFORGE_FAULTS") == "full" else "ci")
+
+# Characters that break naive text handling: BOM, NUL, right-to-left marks and text, combining accents, emoji with
+# joiners, line and paragraph separators, quotes and separators of CSV.
+NASTY = ["\ufeff", "\x00", "\u202e", "\u200f", "مرحبا بالعالم", "עברית", "e\u0301\u0327", "👩\u200d👩\u200d👧",
+         "🇫🇷", "\u2028", "\u2029", "\r", '"', '""', ",", "\t", "\\", "[MASK]", "[CLS]", "ﷺ", "𝔘𝔫𝔦"]  # fmt: skip
+nasty_text = st.lists(st.one_of(st.sampled_from(NASTY), st.text(max_size=30)), max_size=12).map("".join)
+
+
+def outcome(argv: list[str], capsys) -> tuple[int, str]:
+    """Run the CLI in this process: exit 0, or 2 with exactly one line, which starts with 'error: '."""
+    capsys.readouterr()
+    started = time.perf_counter()
+    code = cli(argv)
+    err = capsys.readouterr().err
+    assert time.perf_counter() - started < 60, "too slow for a small input"
+    assert "Traceback" not in err, err
+    assert code in (0, 2), (code, err)
+    if code == 2:
+        errors = [line for line in err.splitlines() if line.startswith("error: ")]
+        assert len(errors) == 1 and err.strip().splitlines()[-1] == errors[0], err
+    return code, err
+
+
+def scratch() -> Path:
+    return Path(tempfile.mkdtemp(prefix="hostile-"))
+
+
+# ------------------------------------------------------------------------------------------------------ corpora
+@given(data=st.binary(max_size=3000))
+@example(data=b"\xff\xfe\x00\x00not utf-8\n")
+@example(data=b"\xef\xbb\xbfBOM first\n\nsecond doc\x00with NUL\n")
+def test_tokenizer_training_on_any_bytes(data, capsys, tally):
+    tally("hostile")
+    tmp = scratch()
+    (tmp / "corpus.txt").write_bytes(data)
+    argv = ["tokenizer", "train", "--files", str(tmp / "corpus.txt"), "--vocab-size", "120", "--out", str(tmp / "t")]
+    code, err = outcome(argv, capsys)
+    if code == 0:
+        tok = BertTokenizer.load(tmp / "t")
+        assert tok.tokenize_ids([data.decode("utf-8", "replace")])
+    else:
+        assert str(tmp / "corpus.txt") in err and not (tmp / "t" / "tokenizer.json").exists()
+    shutil.rmtree(tmp)
+
+
+@given(docs=st.lists(nasty_text, max_size=20))
+def test_preprocessing_any_text_keeps_every_token(docs, wordpiece_dir, capsys, tally):
+    """JSONL keeps document boundaries exact, so the shards must hold exactly the tokenizer's tokens of each one."""
+    tally("hostile")
+    tmp = scratch()
+    corpus = tmp / "docs.jsonl"
+    corpus.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs), encoding="utf-8")
+    argv = ["preprocess", "--tokenizer", str(wordpiece_dir), "--files", str(corpus), "--out", str(tmp / "out"),
+            "--seq-len", "16", "--valid-fraction", "0"]  # fmt: skip
+    code, err = outcome(argv, capsys)
+    kept = [d.strip() for d in docs if d.strip()]
+    tok = BertTokenizer.load(wordpiece_dir)
+    expected = [t for ids in tok.tokenize_ids(kept) for t in [*ids, tok.sep_id]] if kept else []
+    if code == 0:
+        rows, _ = rows_of(tmp / "out")
+        assert [t for row in rows for t in content(row, tok)] == expected
+    else:
+        assert not expected and str(corpus) in err, err  # nothing to tokenize, and the file is named
+        assert not (tmp / "out" / "manifest.json").exists()
+    shutil.rmtree(tmp)
+
+
+@given(data=st.binary(max_size=3000))
+@example(data=b"line one\n\xc3\x28 invalid\n")
+@example(data=b"\x00" * 100)
+def test_preprocessing_any_bytes(data, wordpiece_dir, capsys, tally):
+    tally("hostile")
+    tmp = scratch()
+    (tmp / "corpus.txt").write_bytes(data)
+    argv = ["preprocess", "--tokenizer", str(wordpiece_dir), "--files", str(tmp / "corpus.txt"), "--out",
+            str(tmp / "out"), "--seq-len", "16", "--valid-fraction", "0"]  # fmt: skip
+    code, err = outcome(argv, capsys)
+    if code == 2:
+        assert str(tmp / "corpus.txt") in err and not (tmp / "out" / "manifest.json").exists()
+    shutil.rmtree(tmp)
+
+
+# ------------------------------------------------------------------------------------------------------ tables
+cell = st.one_of(nasty_text, st.sampled_from(["", " ", "\n", "a,b", 'say "hi"', "line\nbreak", "1e309", "nan"]))
+
+
+@given(rows=st.lists(st.tuples(cell, cell), min_size=1, max_size=15), bom=st.booleans())
+def test_tables_with_quotes_newlines_and_bom_read_back_exactly(rows, bom, tally):
+    import csv
+    import io
+
+    from bertforge.data.tabular import read_table
+
+    tally("hostile")
+    tmp = scratch()
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\r\n")
+    writer.writerow(["id", "text"])
+    writer.writerows(rows)
+    (tmp / "t.csv").write_bytes(("\ufeff" if bom else "").encode() + buf.getvalue().encode("utf-8"))
+    columns, got = read_table(str(tmp / "t.csv"))
+    assert columns == ["id", "text"]
+    assert [(r["id"], r["text"]) for r in got] == rows
+    shutil.rmtree(tmp)
+
+
+@pytest.fixture(scope="module")
+def classifier(model_dir, tmp_path_factory) -> Path:
+    """A sequence-classification folder (fresh head) to predict with."""
+    from bertforge.model.hf import load_pretrained, save_pretrained
+
+    pre = load_pretrained(model_dir, head="sequence", num_labels=1)
+    return save_pretrained(pre.model, tmp_path_factory.mktemp("cls") / "model", pre.tokenizer)
+
+
+@given(texts=st.lists(cell, min_size=1, max_size=8), bom=st.booleans())
+def test_predict_keeps_every_row_and_its_id(texts, bom, classifier, capsys, tally):
+    import csv
+
+    tally("hostile")
+    tmp = scratch()
+    with open(tmp / "in.csv", "w", newline="", encoding="utf-8-sig" if bom else "utf-8") as fh:
+        writer = csv.writer(fh)
+        writer.writerow(["id", "text"])
+        writer.writerows([[f'id "{i}",\n{t[:5]}', t] for i, t in enumerate(texts)])
+    code, err = outcome(["predict", "--model", str(classifier), "--data", str(tmp / "in.csv"), "--out",
+                         str(tmp / "out.csv")], capsys)  # fmt: skip
+    if code == 0:
+        with open(tmp / "out.csv", newline="", encoding="utf-8") as fh:
+            out = list(csv.DictReader(fh))
+        assert [r["id"] for r in out] == [f'id "{i}",\n{t[:5]}' for i, t in enumerate(texts)]
+        assert all(np.isfinite(float(r["prediction"])) for r in out)
+    else:
+        assert "empty text" in err and any(not t.strip() for t in texts), err
+    shutil.rmtree(tmp)
+
+
+@given(data=st.binary(max_size=2000))
+@example(data=b'"unclosed quote,\n' * 3)
+@example(data=b'\xef\xbb\xbftext,target\n"a\nb",1.5\n')
+def test_any_bytes_as_a_training_table(data, model_dir, capsys, tally):
+    tally("hostile")
+    tmp = scratch()
+    (tmp / "train.csv").write_bytes(data)
+    argv = ["finetune", "--model", str(model_dir), "--data", str(tmp / "train.csv"), "--out", str(tmp / "run"),
+            "--folds", "2", "--train.epochs=0.1", "--log.progress=false"]  # fmt: skip
+    code, err = outcome(argv, capsys)
+    if code == 2:
+        assert str(tmp / "train.csv") in err or "fewer rows" in err, err
+        assert not (tmp / "run" / "summary.json").exists()
+    shutil.rmtree(tmp)
+
+
+# ------------------------------------------------------------------------------------------------------ configs
+yaml_value = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), nasty_text),
+    lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(nasty_text, inner, max_size=3)),
+    max_leaves=8,
+)
+section = st.sampled_from(["model", "train", "optim", "data", "eval", "checkpoint", "log", "mesh", "mlm", "typo"])
+field = st.sampled_from(["preset", "global_batch", "lr", "max_steps", "every", "hidden_size", "vocab_size", "bogus"])
+
+
+@given(config=st.dictionaries(section, st.dictionaries(field, yaml_value, max_size=3), max_size=4) | yaml_value)
+@example(config={"model": {"vocab_size": 10**12}})
+@example(config={"train": {"global_batch": "sixteen"}})
+@example(config={"optim": {"lr": [1, 2]}})
+def test_pretrain_configs_with_unknown_keys_and_wrong_types(config, capsys, tally):
+    tally("hostile")
+    tmp = scratch()
+    (tmp / "c.yaml").write_text(yaml.safe_dump(config, allow_unicode=True), encoding="utf-8")
+    # `plan` reads a config exactly as pretrain does, without training on the ones that turn out valid.
+    code, err = outcome(["plan", "--config", str(tmp / "c.yaml"), "--devices", "8", "--seq-len", "32"], capsys)
+    if code == 2:
+        assert str(tmp / "c.yaml") in err or "config" in err, err
+    shutil.rmtree(tmp)
+
+
+@given(text=nasty_text)
+@example(text="model: {preset: test\n")
+@example(text="\t- a\n b: [")
+def test_pretrain_config_files_that_are_not_yaml(text, capsys, tally):
+    tally("hostile")
+    tmp = scratch()
+    (tmp / "c.yaml").write_text(text, encoding="utf-8")
+    code, err = outcome(["plan", "--config", str(tmp / "c.yaml"), "--devices", "8", "--seq-len", "32"], capsys)
+    shutil.rmtree(tmp)
+
+
+# ------------------------------------------------------------------------------------------------------ model folders
+size = st.one_of(st.integers(-(10**3), 10**13), st.sampled_from([10**12, 2**31, 0, -1, 1.5, "768", None, True, []]))
+SIZES = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+         "max_position_embeddings", "type_vocab_size"]  # fmt: skip
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+@given(changes=st.dictionaries(st.sampled_from(SIZES), size, min_size=1, max_size=3))
+@example(changes={"vocab_size": 10**12})
+@example(changes={"hidden_size": 10**9, "intermediate_size": 10**9})
+@example(changes={"num_hidden_layers": 10**6})
+def test_config_json_with_absurd_sizes_is_refused_before_any_allocation(changes, model_dir, capsys, tally):
+    tally("hostile")
+    tmp = scratch()
+    folder = shutil.copytree(model_dir, tmp / "m")
+    config = json.loads((folder / "config.json").read_text())
+    config.update(changes)
+    (folder / "config.json").write_text(json.dumps(config))
+    before = peak_rss_mib()
+    code, err = outcome(["fill-mask", "--model", str(folder), "the [MASK] river"], capsys)
+    assert peak_rss_mib() - before < 512, "allocated for the absurd config"
+    if code == 2:
+        assert str(folder / "config.json") in err or str(folder) in err, err
+    shutil.rmtree(tmp)
+
+
+@given(data=st.binary(max_size=500))
+@example(data=b'{"version": "1.0", "model": null}')
+@example(data=b"[]")
+def test_tokenizer_json_that_is_not_a_tokenizer(data, model_dir, capsys, tally):
+    tally("hostile")
+    tmp = scratch()
+    folder = shutil.copytree(model_dir, tmp / "m")
+    (folder / "tokenizer.json").write_bytes(data)
+    code, err = outcome(["fill-mask", "--model", str(folder), "the [MASK] river"], capsys)
+    assert code == 2 and str(folder / "tokenizer.json") in err, err
+    shutil.rmtree(tmp)
+
+
+@given(text=nasty_text)
+@example(text="\x00" * 5000)
+@example(text="مرحبا 👩\u200d👩\u200d👧 e\u0301 " * 200)
+def test_fill_mask_on_any_text(text, model_dir, capsys, tally):
+    tally("hostile")
+    code, err = outcome(["fill-mask", "--model", str(model_dir), "--json", text + " [MASK]"], capsys)
+    assert code == 0 or "tokens; the model holds 128" in err, err
+
+
+# ------------------------------------------------------------------------------------------------------ sizes
+@pytest.mark.slow
+def test_a_50_mb_line_and_a_million_tiny_documents(wordpiece_dir, tmp_path, capsys, tally):
+    tally("hostile", 3)
+    line = tmp_path / "line.txt"
+    words = ("river city music " * 3_000_000)[: 50 * 2**20]
+    line.write_text(words + "\n")
+    code, err = outcome(["tokenizer", "train", "--files", str(line), "--vocab-size", "200", "--out",
+                         str(tmp_path / "t")], capsys)  # fmt: skip
+    assert code == 0
+    code, err = outcome(["preprocess", "--tokenizer", str(wordpiece_dir), "--files", str(line), "--out",
+                         str(tmp_path / "o1"), "--seq-len", "128", "--valid-fraction", "0"], capsys)  # fmt: skip
+    assert code == 0
+    tiny = tmp_path / "tiny.txt"
+    tiny.write_text("word\n" * 1_000_000)
+    argv = ["preprocess", "--tokenizer", str(wordpiece_dir), "--files", str(tiny), "--doc-per-line", "--out",
+            str(tmp_path / "o2"), "--seq-len", "32", "--valid-fraction", "0"]  # fmt: skip
+    code, err = outcome(argv, capsys)
+    assert code == 0
+    rows, _ = rows_of(tmp_path / "o2")
+    tok = BertTokenizer.load(wordpiece_dir)
+    assert sum(len(content(r, tok)) for r in rows) == 2 * 1_000_000  # 'word' and [SEP] each
