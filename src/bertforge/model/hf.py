@@ -297,18 +297,30 @@ def check_weight_shapes(
     cfg: ModelConfig, tensors: dict[str, np.ndarray], head: str, num_labels: int, source: str
 ) -> None:
     """The checks of load_weights against the shapes the config implies, before a model of that size exists."""
+    # Presence first: tracing even an abstract model takes time that grows faster than its depth, so a config
+    # naming more layers than the weights hold is refused from the key table alone.
+    _absent_head_weights(cfg, _normalise_keys(tensors, cfg.flavor), head, source)
     abstract = nnx.eval_shape(lambda: build(cfg, head, num_labels=num_labels))
     _match_weights(cfg, _flatten(nnx.to_pure_dict(nnx.state(abstract, nnx.Param))), tensors, head, source)
+
+
+def _absent_head_weights(cfg: ModelConfig, tensors: dict[str, np.ndarray], head: str, source: str) -> list[str]:
+    """The head parameters missing from `tensors` (normalised keys); a missing encoder parameter is an error."""
+    absent = [row for row in key_table(cfg, head) if row.hf not in tensors]
+    encoder = [row.hf for row in absent if not row.head]
+    if encoder:
+        more = f" and {len(encoder) - 1} more" if len(encoder) > 1 else ""
+        raise UserError(f"{source}: missing weight {encoder[0]}{more} (does config.json match the weights?)")
+    return [row.hf for row in absent if row.head]
 
 
 def _match_weights(cfg: ModelConfig, flat: dict, tensors: dict[str, np.ndarray], head: str, source: str) -> list[str]:
     """Put each tensor into `flat` (parameter path -> array or shape struct), checking shapes; returns the
     missing head parameters."""
     tensors = _normalise_keys(tensors, cfg.flavor)
-    missing_encoder, missing_head = [], []
+    missing_head = _absent_head_weights(cfg, tensors, head, source)
     for row in key_table(cfg, head):
         if row.hf not in tensors:
-            (missing_head if row.head else missing_encoder).append(row.hf)
             continue
         value = tensors[row.hf].T if row.transpose else tensors[row.hf]
         expected = tuple(flat[row.path].shape)
@@ -318,9 +330,6 @@ def _match_weights(cfg: ModelConfig, flat: dict, tensors: dict[str, np.ndarray],
                 f"{source}: {row.hf} has shape {tuple(tensors[row.hf].shape)} but config.json implies {want}"
             )
         flat[row.path] = np.ascontiguousarray(value)
-    if missing_encoder:
-        more = f" and {len(missing_encoder) - 1} more" if len(missing_encoder) > 1 else ""
-        raise UserError(f"{source}: missing weight {missing_encoder[0]}{more} (does config.json match the weights?)")
     return missing_head
 
 

@@ -26,6 +26,6 @@ PRESETS: dict[str, ModelConfig] = {
 
 def preset(name: str, key: str = "preset", **overrides) -> ModelConfig:
     """The named preset with field overrides; an unknown name is a UserError listing the known ones."""
-    if name not in PRESETS:
+    if not isinstance(name, str) or name not in PRESETS:
         raise UserError(f"unknown preset '{name}' for config key '{key}' (choose from {', '.join(PRESETS)})")
     return dataclasses.replace(PRESETS[name], **overrides)
