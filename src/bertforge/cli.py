@@ -434,11 +434,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         code = 2
         leave_at_once = isinstance(e, StorageError)
     except OSError as e:
-        problem = storage_problem(e)
-        if problem is None:
+        refused = storage_problem(e)
+        if refused is None:
             raise
         where = f"{e.filename}: " if e.filename else ""
-        print(f"error: {where}{problem}; free space and run the same command again", file=sys.stderr)
+        print(f"error: {where}{refused[0]}; {refused[1]} and run the same command again", file=sys.stderr)
         code = 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

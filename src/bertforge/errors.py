@@ -14,13 +14,20 @@ class StorageError(UserError):
     command leaves at once after saying so."""
 
 
-_STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG, errno.EACCES}
+# What a refused write asks of the user: room for the full-disk kinds, write access for the others.
+_STORAGE_REMEDIES = {
+    errno.ENOSPC: "free space",
+    errno.EDQUOT: "free space",
+    errno.EFBIG: "free space",
+    errno.EROFS: "make it writable",
+    errno.EACCES: "make it writable",
+}
 
 
-def storage_problem(e: BaseException) -> str | None:
-    """'No space left on device' and the like when `e` is a refused write (an OSError, or an error of tensorstore,
-    which orbax writes through, carrying os_error_code), else None."""
+def storage_problem(e: BaseException) -> tuple[str, str] | None:
+    """('No space left on device', 'free space') and the like when `e` is a refused write (an OSError, or an
+    error of tensorstore, which orbax writes through, carrying os_error_code), else None."""
     code = e.errno if isinstance(e, OSError) else None
     if code is None and (match := re.search(r"os_error_code='(\d+)'", str(e))):
         code = int(match.group(1))
-    return os.strerror(code) if code in _STORAGE_ERRNOS else None
+    return (os.strerror(code), _STORAGE_REMEDIES[code]) if code in _STORAGE_REMEDIES else None

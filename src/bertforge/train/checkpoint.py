@@ -69,10 +69,11 @@ def damage(folder: Path) -> str | None:
     """What is wrong with a checkpoint folder's files, or None when each matches its recorded checksum."""
     try:
         files = json.loads((folder / CHECKSUMS).read_text(encoding="utf-8"))["files"]
-        assert isinstance(files, dict) and files
     except FileNotFoundError:
         return f"{CHECKSUMS} is missing"
-    except (ValueError, KeyError, TypeError, AssertionError, UnicodeDecodeError):
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        return f"{CHECKSUMS} is unreadable"
+    if not isinstance(files, dict) or not files:
         return f"{CHECKSUMS} is unreadable"
     for rel, entry in files.items():
         path = folder / rel
@@ -80,6 +81,8 @@ def damage(folder: Path) -> str | None:
             return f"{CHECKSUMS} names {rel!r}, outside the checkpoint"
         if not path.is_file():
             return f"{rel} is missing"
+        if not (isinstance(entry, list) and len(entry) == 2):
+            return f"{CHECKSUMS} is unreadable"
         size, digest = entry
         if path.stat().st_size != size:
             return f"{rel} has {path.stat().st_size} bytes, {size} were written"
@@ -191,12 +194,13 @@ class Checkpoints:
         try:
             yield
         except Exception as e:
-            problem = storage_problem(e)
-            if problem is None:
+            refused = storage_problem(e)
+            if refused is None:
                 raise
+            problem, remedy = refused
             raise StorageError(
                 f"{self.directory}: could not save checkpoint {self._saving} ({problem}); {self._whole()}. "
-                "Free space and run the same command to continue"
+                f"{remedy.capitalize()} and run the same command to continue"
             ) from None
 
     def restore(self, step: int, target: Any) -> tuple[Any, dict[str, Any]]:
@@ -217,8 +221,14 @@ class Checkpoints:
         args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore())
         try:
             restored = self.manager.restore(step, args=args)
-        except Exception as e:  # checksums match but orbax cannot read it: damaged all the same
-            raise DamagedCheckpoint(self.directory / str(step), f"unreadable: {type(e).__name__}") from None
+        except Exception as e:
+            # The files are the ones written, so this is not damage (which would set the checkpoint aside): most
+            # likely the run's model or optimizer config changed since the save.
+            first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+            raise UserError(
+                f"{self.directory / str(step)}: checkpoint does not restore into this run's state "
+                f"({type(e).__name__}: {first}); was the config changed since it was saved? Use another --out"
+            ) from None
         return restored["state"], dict(restored["meta"])
 
     def damage(self, step: int) -> str | None:
