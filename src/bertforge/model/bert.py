@@ -27,6 +27,7 @@ ACTIVATIONS = {
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 FLAVORS = ("bert", "roberta")
 POOLINGS = ("cls", "mean", "attention")
+POSITION_INITS = ("normal", "sinusoidal")
 
 
 # Upper bounds of the sizes a config may give: token ids are int32, and nothing in the BERT family comes near the
@@ -62,6 +63,9 @@ class ModelConfig:
     dtype: str = "float32"  # compute dtype; parameters are always float32
     pooling: str = "cls"  # sequence head: the [CLS] vector, the mean of the tokens, or learned attention weights
     remat: bool = False  # keep only each layer's input for the backward pass and recompute the rest (less memory)
+    # A fresh model's position table: random as BERT's, or sinusoids (Vaswani et al. 2017) whose dot products depend
+    # only on the distance between positions, a start from which attention to neighbours is learned sooner.
+    position_init: str = "normal"
 
     def __post_init__(self) -> None:
         if self.flavor not in FLAVORS:
@@ -87,6 +91,8 @@ class ModelConfig:
             raise ValueError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
         if self.pooling not in POOLINGS:
             raise ValueError(f"pooling {self.pooling!r} is not one of {', '.join(POOLINGS)}")
+        if self.position_init not in POSITION_INITS:
+            raise ValueError(f"position_init {self.position_init!r} is not one of {', '.join(POSITION_INITS)}")
         for name in ("hidden_dropout", "attention_dropout", "classifier_dropout"):
             rate = getattr(self, name)
             if rate is not None and not 0.0 <= rate < 1.0:
@@ -193,11 +199,23 @@ def position_ids(cfg: ModelConfig, input_ids: jax.Array) -> jax.Array:
     return jnp.broadcast_to(jnp.arange(input_ids.shape[1], dtype=jnp.int32), input_ids.shape)
 
 
+def sinusoids(rows: int, dim: int, std: float) -> jax.Array:
+    """(rows, dim) table: sin and cos of position / 10000^(2i/dim) interleaved, scaled to standard deviation `std`."""
+    pos = jnp.arange(rows, dtype=jnp.float32)[:, None]
+    freq = 10000.0 ** (-jnp.arange(0, dim, 2, dtype=jnp.float32) / dim)  # (dim/2,)
+    angle = pos * freq  # (rows, dim/2)
+    table = jnp.stack([jnp.sin(angle), jnp.cos(angle)], axis=-1).reshape(rows, -1)[:, :dim]
+    return table * (std * math.sqrt(2.0))  # sin and cos have variance 1/2 over positions
+
+
 class Embeddings(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         self.word = _embed(cfg, cfg.vocab_size, "vocab", rngs)
         self.position = _embed(cfg, cfg.max_position_embeddings, "position", rngs)
+        if cfg.position_init == "sinusoidal":
+            rows, std = cfg.max_position_embeddings, cfg.initializer_range
+            self.position.embedding.value = sinusoids(rows, cfg.hidden_size, std)
         self.token_type = _embed(cfg, cfg.type_vocab_size, "token_type", rngs)
         self.norm = _norm(cfg, rngs)
         self.dropout = nnx.Dropout(cfg.hidden_dropout, rngs=rngs)
