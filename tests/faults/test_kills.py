@@ -141,14 +141,19 @@ def finetune_reference(model_dir, tmp_path_factory) -> dict:
     return {"data": data, "seconds": time.perf_counter() - started, **finetune_outputs(root / "run")}
 
 
+def kill_then_rerun(args: list[str], seconds: float) -> None:
+    """Kill -9 the command `seconds` after it starts, then run the same command again to its end."""
+    started = time.perf_counter()
+    kill_when(bertforge(*args), lambda: time.perf_counter() - started > seconds, 0)
+    run_ok(bertforge(*args))
+
+
 @pytest.mark.parametrize("seed", seeds(fast=0))
 def test_finetune_killed_at_a_random_moment(model_dir, finetune_reference, tmp_path, tally, seed):
     tally("kill")
-    r = rng("finetune", seed)
-    run, started = tmp_path / "run", time.perf_counter()
-    ready = lambda: time.perf_counter() - started > r.uniform(0.35, 0.9) * finetune_reference["seconds"]
-    kill_when(bertforge(*finetune_args(model_dir, finetune_reference["data"], run)), ready, 0)
-    run_ok(bertforge(*finetune_args(model_dir, finetune_reference["data"], run)))
+    run = tmp_path / "run"
+    fraction = rng("finetune", seed).uniform(0.35, 0.9)
+    kill_then_rerun(finetune_args(model_dir, finetune_reference["data"], run), fraction * finetune_reference["seconds"])
     got = finetune_outputs(run)
     assert got == {k: finetune_reference[k] for k in got}
 
@@ -177,9 +182,8 @@ def preprocess_reference(wordpiece_dir, tmp_path_factory) -> dict:
 @pytest.mark.parametrize("seed", seeds())
 def test_preprocess_killed_at_a_random_moment(wordpiece_dir, preprocess_reference, tmp_path, tally, seed):
     tally("kill")
-    r = rng("preprocess", seed)
-    out, started = tmp_path / "out", time.perf_counter()
-    ready = lambda: time.perf_counter() - started > r.uniform(0.3, 0.95) * preprocess_reference["seconds"]
-    kill_when(bertforge(*preprocess_args(wordpiece_dir, preprocess_reference["corpus"], out)), ready, 0)
-    run_ok(bertforge(*preprocess_args(wordpiece_dir, preprocess_reference["corpus"], out)))
+    out = tmp_path / "out"
+    fraction = rng("preprocess", seed).uniform(0.3, 0.95)
+    args = preprocess_args(wordpiece_dir, preprocess_reference["corpus"], out)
+    kill_then_rerun(args, fraction * preprocess_reference["seconds"])
     assert shard_folder(out) == preprocess_reference["out"]
