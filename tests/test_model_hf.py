@@ -85,6 +85,42 @@ def test_mlm_logits_match_transformers(flavor, model_cls, tok_fixture, request, 
     assert max_diff_on_tokens(run_ours(pre.model, batch), theirs, batch["attention_mask"]) <= 1e-4
 
 
+def test_mlm_loss_gradients_match_transformers(wordpiece_dir, tmp_path):
+    # The attention's backward is written by hand; torch's autograd through BertForMaskedLM is the reference.
+    folder = save_hf_model(BertForMaskedLM, "bert", wordpiece_dir, tmp_path / "hf")
+    pre = load_pretrained(folder, require_head=True)
+    pre.model.eval()
+    batch = batch_for(pre.tokenizer)
+    labels = np.where(batch["attention_mask"] == 1, batch["input_ids"], -100)
+    labels[:, ::2] = -100  # predict only some positions, as in MLM
+    inputs = [jnp.asarray(batch[k]) for k in ("input_ids", "attention_mask", "token_type_ids")]
+
+    def loss(model):
+        logits = model(*inputs)  # (B, T, V)
+        keep = labels != -100
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        picked = jnp.take_along_axis(logp, jnp.asarray(np.maximum(labels, 0))[..., None], axis=-1)[..., 0]
+        return -jnp.sum(jnp.where(keep, picked, 0.0)) / keep.sum()
+
+    grads = nnx.grad(loss)(pre.model)
+    ref = BertForMaskedLM.from_pretrained(folder).eval()
+    ref(**torch_inputs(batch), labels=torch.tensor(labels, dtype=torch.long)).loss.backward()
+    theirs = dict(ref.named_parameters())
+    layers, attn = grads.encoder.layers, "bert.encoder.layer.{}.attention.self.{}.weight"
+    pairs = {  # ours (kernels are (in, out)) -> transformers (weights are (out, in))
+        "word embedding": (grads.encoder.embeddings.word.embedding, "bert.embeddings.word_embeddings.weight", False),
+        "positions": (grads.encoder.embeddings.position.embedding, "bert.embeddings.position_embeddings.weight", False),
+        "layer 0 query": (layers[0].query.kernel, attn.format(0, "query"), True),
+        "layer 0 key": (layers[0].key.kernel, attn.format(0, "key"), True),
+        "layer 1 value": (layers[1].value.kernel, attn.format(1, "value"), True),
+    }  # fmt: skip
+    for name, (ours, key, transpose) in pairs.items():
+        want = theirs[key].grad.numpy()
+        got = np.asarray(ours[...]).T if transpose else np.asarray(ours[...])
+        assert np.abs(want).max() > 1e-4, name  # a real gradient, not zeros on both sides
+        np.testing.assert_allclose(got, want, atol=1e-5 * np.abs(want).max(), rtol=1e-3, err_msg=name)
+
+
 @pytest.mark.parametrize(
     "flavor,model_cls,tok_fixture,num_labels",
     [
