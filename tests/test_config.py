@@ -110,3 +110,19 @@ def test_yaml_errors_name_the_file(tmp_path):
         load_config(InitConfig, wrong)
     with pytest.raises(UserError, match=r"missing.yaml: no such config file"):
         load_config(InitConfig, tmp_path / "missing.yaml")
+
+
+def test_a_section_given_in_part_keeps_the_stage_defaults(tmp_path):
+    # Fine-tuning's optimizer and log defaults differ from the classes' own (AdamW beta2 and eps as the Trainer's);
+    # setting only the learning rate must not bring the pretraining values back.
+    path = tmp_path / "ft.yaml"
+    path.write_text("optim:\n  lr: 1.0e-4\nlog:\n  every: 5\n")
+    cfg = load_config(FinetuneConfig, path)
+    default = FinetuneConfig()
+    assert cfg.optim == dataclasses.replace(default.optim, lr=1e-4)
+    assert cfg.log == dataclasses.replace(default.log, every=5)
+    assert cfg.optim.b2 != PretrainConfig().optim.b2  # the two stages really differ here
+    # Pretraining's model defaults to the mini preset: a layer count alone keeps mini's width; a preset replaces it.
+    two = load_config(PretrainConfig, None, ["--model.num_layers=2"]).model
+    assert two == dataclasses.replace(PRESETS["mini"], num_layers=2)
+    assert load_config(PretrainConfig, None, ["--model.preset=small"]).model == PRESETS["small"]

@@ -418,3 +418,57 @@ def test_a_model_folder_without_a_tokenizer_is_refused(model_dir, tmp_path, caps
     data = write_table(tmp_path / "a.csv", river_rows(12))
     err = _refused(bare, data, tmp_path / "run", capsys)
     assert str(bare) in err and "tokenizer" in err
+
+
+def test_steps_equal_torch_adamw_with_clipping_and_decay_mask(wordpiece_dir, tmp_path):
+    # The reference: transformers' BertForSequenceClassification under torch's AdamW, weight decay on everything but
+    # biases and LayerNorm (what the Trainer does), global-norm clipping, the same lr each step.
+    import torch
+    from hf_models import save_hf_model
+    from transformers import BertForSequenceClassification
+
+    from bertforge.data.batching import pad_batch
+
+    folder = save_hf_model(BertForSequenceClassification, "bert", wordpiece_dir, tmp_path / "hf", num_labels=1)
+    overrides = {"hidden_dropout": 0.0, "attention_dropout": 0.0, "classifier_dropout": 0.0}
+    pre = load_pretrained(folder, head="sequence", num_labels=1, overrides=overrides)
+    ref = BertForSequenceClassification.from_pretrained(folder, num_labels=1, **{
+        "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0, "classifier_dropout": 0.0})  # fmt: skip
+    optim = OptimConfig(lr=3e-3, b2=0.999, eps=1e-8, weight_decay=0.1, clip_norm=0.5)
+    graphdef, params, rest = nnx.split(pre.model, nnx.Param, ...)
+    tx = make_optimizer(optim, params, pre.model.config.num_layers)
+    state = new_train_state(params, tx, make_mesh(devices=jax.devices()[:1]))
+    step = jax.jit(functools.partial(train_step, graphdef, rest, tx=tx, cfg=SequenceStepConfig("mse")))
+    no_decay = [n.endswith("bias") or "LayerNorm" in n for n, _ in ref.named_parameters()]
+    groups = [[p for (_, p), nd in zip(ref.named_parameters(), no_decay, strict=True) if nd == flag] for flag in (0, 1)]
+    adamw = torch.optim.AdamW(
+        [{"params": groups[0], "weight_decay": 0.1}, {"params": groups[1], "weight_decay": 0.0}],
+        lr=3e-3, betas=(0.9, 0.999), eps=1e-8,
+    )  # fmt: skip
+    with torch.no_grad():  # the same starting head (ours is (in, out), theirs (out, in))
+        ref.classifier.weight.copy_(torch.tensor(np.asarray(pre.model.head.out.kernel[...]).T))
+    rng = np.random.default_rng(0)
+    words = "the river city had a music school and the army league season church king".split()
+    for i, lr in enumerate([3e-3, 2e-3, 1e-3, 3e-3]):
+        texts = [" ".join(rng.choice(words, rng.integers(3, 12))) for _ in range(8)]
+        batch = pad_batch(pre.tokenizer.encode_batch(texts, max_length=32), pre.tokenizer.pad_id, 32)
+        targets = rng.normal(size=(8, 1)).astype(np.float32)
+        ours = {**batch, "targets": targets, "weight": np.ones(8, np.float32)}
+        state, m = step(state, {k: jnp.asarray(v) for k, v in ours.items()}, jnp.float32(lr), jax.random.key(0))
+        for g in adamw.param_groups:
+            g["lr"] = lr
+        logits = ref(**{k: torch.tensor(v, dtype=torch.long) for k, v in batch.items()}).logits
+        loss = torch.nn.functional.mse_loss(logits, torch.tensor(targets))
+        adamw.zero_grad()
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        adamw.step()
+        assert float(m["loss"]) == pytest.approx(loss.item(), rel=1e-5), i
+        assert float(m["grad_norm"]) == pytest.approx(norm.item(), rel=1e-4), i
+        assert norm.item() > 0.5  # clipping really acted
+    nnx.update(pre.model, state.params)
+    pre.model.eval()
+    ref.eval()
+    with torch.no_grad():
+        theirs = ref(**{k: torch.tensor(v, dtype=torch.long) for k, v in batch.items()}).logits.numpy()
+    np.testing.assert_allclose(np.asarray(pre.model(*(jnp.asarray(batch[k]) for k in batch))), theirs, atol=1e-4)

@@ -90,14 +90,36 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
     raise TypeError(f"config type {tp!r} of '{key}' is not supported")  # a programming error, not a user's
 
 
+def _default_changes(field: dataclasses.Field, tp: Any, given: Mapping[str, Any]) -> dict[str, Any]:
+    """Where the default of a section differs from its class's own defaults (fine-tuning's AdamW beta2 and eps,
+    pretraining's `mini` model): a section given in part keeps those values under the keys it sets. A `preset`
+    in the section replaces the default altogether."""
+    if "preset" in given:
+        return {}
+    factory = field.default_factory
+    default = factory() if factory is not dataclasses.MISSING else field.default
+    if not dataclasses.is_dataclass(default):
+        return {}
+    plain = to_dict(tp())
+    return {k: v for k, v in to_dict(default).items() if k in plain and plain[k] != v}
+
+
 def from_dict(cls: type[T], data: Any, where: str = "") -> T:
-    """Build dataclass `cls` from a mapping; unknown keys and wrong types are UserErrors naming the key."""
+    """Build dataclass `cls` from a mapping; unknown keys and wrong types are UserErrors naming the key.
+
+    A section (a field that is itself a dataclass) given in part starts from that field's default, not from its
+    class's: `optim: {lr: 1e-4}` in a fine-tuning config keeps fine-tuning's other optimizer defaults."""
     if not isinstance(data, Mapping):
         raise UserError(f"config key '{where or '<root>'}': expected a mapping, got {data!r}")
     resolve = getattr(cls, "resolve_config_dict", None)
     if resolve is not None:
         data = resolve(dict(data), where)
     hints = typing.get_type_hints(cls)
+    data = dict(data)
+    for f in dataclasses.fields(cls):
+        given = data.get(f.name)
+        if f.init and isinstance(given, Mapping) and dataclasses.is_dataclass(hints[f.name]):
+            data[f.name] = {**_default_changes(f, hints[f.name], given), **given}
     fields = {f.name for f in dataclasses.fields(cls) if f.init}
     for key in data:
         if key not in fields:
