@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import json
 import math
 import os
@@ -211,34 +212,24 @@ def main() -> None:
         rows = [r for r in saved if r.get("seed", 0) not in args.seeds]
     for seed in args.seeds:
         args.seed = seed
+        row = functools.partial(_row, seed=seed, epochs=args.epochs)
         bucketed_dir = work / f"bertforge-{args.compare}-{args.max_length}-seed{seed}"
         shutil.rmtree(bucketed_dir, ignore_errors=True)
-        rows.append(
-            {
-                "system": "bertforge (uniform-length batches)",
-                "seed": seed,
-                "epochs": args.epochs,
-                **_bertforge(args, bucketed_dir, 32),
-            }
-        )
+        rows.append(row("bertforge (uniform-length batches)", _bertforge(args, bucketed_dir, 32)))
         if args.compare == "hf":
             hf_dir = work / f"transformers-trainer-{args.max_length}-seed{seed}"
             shutil.rmtree(hf_dir, ignore_errors=True)
-            result = _hf(args, bucketed_dir / "folds.csv", hf_dir)
-            rows.append({"system": "transformers Trainer (PyTorch)", "seed": seed, "epochs": args.epochs, **result})
+            rows.append(row("transformers Trainer (PyTorch)", _hf(args, bucketed_dir / "folds.csv", hf_dir)))
         else:
             padded_dir = work / f"bertforge-padded-{args.max_length}-seed{seed}"
             shutil.rmtree(padded_dir, ignore_errors=True)
-            rows.append(
-                {
-                    "system": "bertforge (padded to max length)",
-                    "seed": seed,
-                    "epochs": args.epochs,
-                    **_bertforge(args, padded_dir, 0),
-                }
-            )
+            rows.append(row("bertforge (padded to max length)", _bertforge(args, padded_dir, 0)))
         print(json.dumps(rows[-2:]), flush=True)
     _report(args, name, rows)
+
+
+def _row(system: str, result: dict, seed: int, epochs: float) -> dict:
+    return {"system": system, "seed": seed, "epochs": epochs, **result}
 
 
 def _spread(rows: list[dict], key: str, fmt: str) -> str:
