@@ -463,5 +463,13 @@ def _in_multiprocess_run() -> bool:
     return jax is not None and jax.distributed.is_initialized()
 
 
-if __name__ == "__main__":
+def entry() -> None:
+    """The installed `bertforge` command and `python -m bertforge.cli`: the process-wide settings, then main."""
+    from bertforge.allocator import rerun_with_tuned_allocator
+
+    rerun_with_tuned_allocator()
     sys.exit(main())
+
+
+if __name__ == "__main__":
+    entry()

@@ -1,0 +1,60 @@
+"""The allocator tunables that the `bertforge` command runs under: set once, the user's own kept, opt-out honoured."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from bertforge.allocator import OPT_OUT, TUNABLES, tuned_environment
+
+
+def _tunables(env):
+    return dict(item.split("=") for item in env["GLIBC_TUNABLES"].split(":"))
+
+
+def test_every_tunable_is_set_and_the_rest_of_the_environment_kept():
+    env = tuned_environment({"PATH": "/bin"}, "linux")
+    assert env["PATH"] == "/bin"
+    assert _tunables(env) == TUNABLES
+
+
+def test_the_users_own_tunables_win_and_are_kept():
+    given = "glibc.malloc.trim_threshold=1024:glibc.malloc.arena_max=2"
+    env = tuned_environment({"GLIBC_TUNABLES": given}, "linux")
+    found = _tunables(env)
+    assert found["glibc.malloc.trim_threshold"] == "1024"
+    assert found["glibc.malloc.arena_max"] == "2"
+    assert found["glibc.malloc.hugetlb"] == TUNABLES["glibc.malloc.hugetlb"]
+
+
+def test_no_rerun_once_set_when_opted_out_or_off_linux():
+    env = tuned_environment({}, "linux")
+    assert tuned_environment(env, "linux") is None  # what stops the re-run from running again
+    assert tuned_environment({OPT_OUT: "system"}, "linux") is None
+    assert tuned_environment({}, "darwin") is None
+    assert tuned_environment({}, "win32") is None
+
+
+def test_the_command_runs_again_once_in_the_same_process_with_its_options():
+    script = (
+        "import os, sys\n"
+        "from bertforge.allocator import rerun_with_tuned_allocator\n"
+        "print('pid', os.getpid(), sys.flags.dont_write_bytecode, flush=True)\n"
+        "rerun_with_tuned_allocator()\n"
+        "print('tunables', os.environ['GLIBC_TUNABLES'])\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", OPT_OUT)}
+    out = subprocess.run([sys.executable, "-B", "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    if not sys.platform.startswith("linux"):
+        assert len(lines) == 2
+        return
+    assert len(lines) == 3 and lines[0] == lines[1]  # ran twice, same process id, -B kept
+    assert lines[0].endswith(" 1")
+    assert _tunables({"GLIBC_TUNABLES": lines[2].split(" ", 1)[1]}) == TUNABLES
+    opted = subprocess.run(
+        [sys.executable, "-c", script], env={**env, OPT_OUT: "system"}, capture_output=True, text=True, timeout=120
+    )
+    assert opted.returncode == 1 and len(opted.stdout.splitlines()) == 1  # no re-run, so no tunables to print
