@@ -320,6 +320,10 @@ def test_predict_on_a_run_averages_the_best_fold_models(model_dir, tmp_path):
             values = np.array([float(r["prediction"]) for r in csv.DictReader(fh)])
         # The fold model is the best checkpoint: its predictions on the fold's rows are the out-of-fold outputs.
         np.testing.assert_allclose(values[result["rows"]], np.array(result["outputs"])[:, 0], atol=1e-5)
+        logged = [json.loads(line) for line in (out / f"fold-{f}" / "metrics.jsonl").read_text().splitlines()]
+        evaluated = {r["step"]: r["valid_rmse"] for r in logged if "valid_rmse" in r}
+        assert result["best_step"] == min(evaluated, key=evaluated.get)
+        assert result["score"] == pytest.approx(evaluated[result["best_step"]], abs=1e-5)
         per_fold.append(values)
     pred = tmp_path / "run.csv"
     assert cli(["predict", "--model", str(out), "--data", str(data), "--out", str(pred)]) == 0

@@ -266,3 +266,21 @@ def test_pretrain_refuses_another_tokenizer_and_too_long_sequences(shards, tmp_p
     code = cli([*base, "--out", str(tmp_path / "b"), "--model.max_position_embeddings=16"])
     err = capsys.readouterr().err
     assert code == 2 and "sequences of 32 tokens do not fit the position table" in err and "Traceback" not in err
+
+
+def test_best_step_is_the_lowest_validation_loss_not_the_latest(tmp_path):
+    from bertforge.train.checkpoint import Checkpoints
+
+    state = {"w": jax.numpy.zeros(3)}
+    checkpoints = Checkpoints(tmp_path / "c", keep_last=1, keep_best=1)
+    for step, loss in [(1, 0.5), (2, 0.3), (3, None), (4, 0.4)]:
+        checkpoints.save(step, {"w": state["w"] + step}, {"step": step}, valid_loss=loss)
+    checkpoints.wait()
+    assert checkpoints.best_step() == 2
+    assert checkpoints.all_steps() == [2, 4]  # the best and the latest stay on disk
+    checkpoints.close()
+    reopened = Checkpoints(tmp_path / "c", keep_last=1, keep_best=1)
+    assert reopened.best_step() == 2  # also for a resumed run, from the metrics saved with each step
+    restored, _ = reopened.restore(2, state)
+    np.testing.assert_array_equal(restored["w"], np.full(3, 2.0))
+    reopened.close()

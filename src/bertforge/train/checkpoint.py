@@ -16,6 +16,7 @@ import contextlib
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import shutil
 import socket
@@ -126,15 +127,37 @@ class RunLock:
         self.release()
 
 
+def _valid_loss(metrics: dict[str, float]) -> float:
+    return metrics["valid_loss"]
+
+
+class _WithoutMetricsIsExpected(logging.Filter):
+    """Orbax warns at every save without metrics once best_fn is set; here such saves are normal (a step that was
+    not evaluated, a save on SIGTERM)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "did not provide metrics" not in record.getMessage()
+
+
+logging.getLogger("absl").addFilter(_WithoutMetricsIsExpected())
+
+
 class Checkpoints:
     """Save and restore (train state, metadata) under RUN/checkpoints/<step>."""
 
     def __init__(self, directory: str | Path, keep_last: int = 2, keep_best: int = 1):
         policies: list[Any] = [LatestN(n=keep_last)]
         if keep_best > 0:
-            policies.append(BestN(get_metric_fn=lambda m: m["valid_loss"], reverse=True, n=keep_best))
+            # Steps saved without a validation loss are kept by LatestN alone (orbax would keep them all).
+            policies.append(
+                BestN(get_metric_fn=_valid_loss, reverse=True, n=keep_best, keep_checkpoints_without_metrics=False)
+            )
         options = ocp.CheckpointManagerOptions(
             preservation_policy=AnyPreservationPolicy(policies),
+            # The preservation policy only decides what stays on disk; best_step() ranks by best_fn, and without
+            # it returns the latest step.
+            best_fn=_valid_loss if keep_best > 0 else None,
+            best_mode="min",
             cleanup_tmp_directories=True,
             enable_async_checkpointing=True,
             async_options=ocp.AsyncOptions(post_finalization_callback=self._seal),
