@@ -284,3 +284,13 @@ def test_best_step_is_the_lowest_validation_loss_not_the_latest(tmp_path):
     restored, _ = reopened.restore(2, state)
     np.testing.assert_array_equal(restored["w"], np.full(3, 2.0))
     reopened.close()
+    latest_only = Checkpoints(tmp_path / "l", keep_last=2, keep_best=0)
+    latest_only.save(1, state, {"step": 1})
+    latest_only.wait()
+    assert latest_only.best_step() is None  # `export --step best` then says that no step has a validation loss
+    for step, loss in [(2, 0.3), (3, None)]:
+        latest_only.save(step, state, {"step": step}, valid_loss=loss)
+    latest_only.wait()
+    assert latest_only.all_steps() == [2, 3]
+    assert latest_only.best_step() == 2  # the best of the steps kept, not the latest
+    latest_only.close()

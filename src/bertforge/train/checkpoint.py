@@ -155,8 +155,8 @@ class Checkpoints:
         options = ocp.CheckpointManagerOptions(
             preservation_policy=AnyPreservationPolicy(policies),
             # The preservation policy only decides what stays on disk; best_step() ranks by best_fn, and without
-            # it returns the latest step.
-            best_fn=_valid_loss if keep_best > 0 else None,
+            # it returns the latest step (also with keep_best=0, where the best of the steps kept is still asked for).
+            best_fn=_valid_loss,
             best_mode="min",
             cleanup_tmp_directories=True,
             enable_async_checkpointing=True,
