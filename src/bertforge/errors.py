@@ -27,7 +27,15 @@ _STORAGE_REMEDIES = {
 def storage_problem(e: BaseException) -> tuple[str, str] | None:
     """('No space left on device', 'free space') and the like when `e` is a refused write (an OSError, or an
     error of tensorstore, which orbax writes through, carrying os_error_code), else None."""
-    code = e.errno if isinstance(e, OSError) else None
-    if code is None and (match := re.search(r"os_error_code='(\d+)'", str(e))):
-        code = int(match.group(1))
+    code = e.errno if isinstance(e, OSError) else _quoted_error_code(str(e))
     return (os.strerror(code), _STORAGE_REMEDIES[code]) if code in _STORAGE_REMEDIES else None
+
+
+def mentions_storage_problem(text: str) -> bool:
+    """Whether a log line quotes a refused write, as tensorstore words it."""
+    return _quoted_error_code(text) in _STORAGE_REMEDIES
+
+
+def _quoted_error_code(text: str) -> int | None:
+    match = re.search(r"os_error_code='(\d+)'", text)
+    return int(match.group(1)) if match else None

@@ -31,7 +31,7 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint._src.path.atomicity_types import TMP_DIR_SUFFIX
 from orbax.checkpoint.checkpoint_managers import AnyPreservationPolicy, BestN, LatestN
 
-from bertforge.errors import StorageError, UserError, storage_problem
+from bertforge.errors import StorageError, UserError, mentions_storage_problem, storage_problem
 from bertforge.fileio import write_atomic
 
 CHECKSUMS = "bertforge-checksums.json"
@@ -142,6 +142,51 @@ class _WithoutMetricsIsExpected(logging.Filter):
 logging.getLogger("absl").addFilter(_WithoutMetricsIsExpected())
 
 
+class _RefusedWritesAreReportedOnce(logging.Filter):
+    """When the disk refuses a write, each of orbax's writer threads logs its own traceback of it (hundreds of
+    lines); Checkpoints.save reports the refusal in one line, so those records are dropped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR:
+            return True
+        exc = record.exc_info[1] if record.exc_info else None
+        return not (mentions_storage_problem(record.getMessage()) or (exc is not None and storage_problem(exc)))
+
+
+for _name in ("absl", "asyncio"):  # asyncio: the failed writes of tasks that orbax no longer awaits
+    logging.getLogger(_name).addFilter(_RefusedWritesAreReportedOnce())
+
+
+def _is_write_landing_on_closed_loop(exc: BaseException | None, tb: Any) -> bool:
+    """tensorstore finishes each write on its own thread by calling back into the event loop that awaits it.
+    Once one write has failed, orbax abandons the others and closes their loops, and tensorstore prints this
+    RuntimeError for every write still in flight; the failure itself reaches Checkpoints.save."""
+    return (
+        isinstance(exc, RuntimeError)
+        and str(exc) == "Event loop is closed"
+        and tb is not None
+        and tb.tb_frame.f_code.co_name == "call_soon_threadsafe"  # called from native code, not from Python
+    )
+
+
+def _drop_writes_landing_on_closed_loops() -> None:
+    """Both hooks: tensorstore reports the error through one or the other depending on where it is raised."""
+    if getattr(sys.excepthook, "_drops_writes_landing_on_closed_loops", False):
+        return
+    excepthook, unraisablehook = sys.excepthook, sys.unraisablehook
+
+    def on_exception(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
+        if not _is_write_landing_on_closed_loop(exc, tb):
+            excepthook(exc_type, exc, tb)
+
+    def on_unraisable(unraisable: Any) -> None:
+        if not _is_write_landing_on_closed_loop(unraisable.exc_value, unraisable.exc_traceback):
+            unraisablehook(unraisable)
+
+    on_exception._drops_writes_landing_on_closed_loops = True  # type: ignore[attr-defined]
+    sys.excepthook, sys.unraisablehook = on_exception, on_unraisable
+
+
 class Checkpoints:
     """Save and restore (train state, metadata) under RUN/checkpoints/<step>."""
 
@@ -164,6 +209,7 @@ class Checkpoints:
         )
         self.directory = Path(directory).absolute()
         self._saving: int | None = None
+        _drop_writes_landing_on_closed_loops()
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
 
     def _seal(self) -> None:
@@ -287,4 +333,5 @@ class Checkpoints:
         return None
 
     def close(self) -> None:
-        self.manager.close()
+        with self._refused_writes():  # the background write of the last save may surface here
+            self.manager.close()
