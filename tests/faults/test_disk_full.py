@@ -72,15 +72,34 @@ def check_resumed(reference: Path, first: dict, second: dict, saved: int) -> Non
         np.testing.assert_array_equal(y, x)
 
 
+def pretrain_filling_the_disk(shards: Path, tmp_path: Path, check_space: bool) -> list[str]:
+    """A pretraining command on `tmp_path`/disk during which another program fills the disk, once, just before
+    checkpoint 10, leaving 64 KiB free: checkpoint 10 cannot fit, and the second attempt, on the grown disk, has
+    room. With `check_space` false, as if the disk filled after the space check. (A disk sized to hold exactly one
+    checkpoint would not do: how much room a checkpoint takes, also while in progress, varies from run to run.)"""
+    args = ["pretrain", "--data", str(shards), "--out", str(tmp_path / "disk" / "run"), *PRETRAIN,
+            "--checkpoint.every=5"]  # fmt: skip
+    code = (
+        "import shutil, sys; from bertforge.train.checkpoint import Checkpoints; from bertforge.cli import main\n"
+        "check_space = Checkpoints._check_space\n"
+        "def fill(self, step, state):\n"
+        "    filler = self.directory.parent.parent / 'filler'\n"
+        "    if step == 10 and not filler.exists():\n"
+        "        filler.write_bytes(bytes(shutil.disk_usage(self.directory).free - 65536))\n"
+        f"    if {check_space}:\n"
+        "        check_space(self, step, state)\n"
+        "Checkpoints._check_space = fill\n"
+        f"sys.exit(main({args!r}))"
+    )
+    return [sys.executable, "-c", code]
+
+
 def test_a_checkpoint_that_cannot_fit_is_refused_before_it_starts(shards, reference, tmp_path, tally):
     tally("disk")
-    # Room for the run's small files and one checkpoint of the test model, not two.
-    cmd = bertforge("pretrain", "--data", str(shards), "--out", str(tmp_path / "disk" / "run"), *PRETRAIN,
-                    "--checkpoint.every=5")  # fmt: skip
-    first, second = on_small_disk(tmp_path, 2176, cmd)
+    first, second = on_small_disk(tmp_path, 4096, pretrain_filling_the_disk(shards, tmp_path, check_space=True))
     assert first["rc"] == 2
     line = last_line(first["stderr"])
-    assert line.startswith(f"error: {tmp_path}/disk/run/checkpoints: ") and "MiB free, checkpoint 10 needs" in line
+    assert line.startswith(f"error: {tmp_path}/disk/run/checkpoints: 0.1 MiB free, checkpoint 10 needs up to ")
     assert line.endswith("checkpoint 5 is whole. Free space and run the same command to continue")
     assert "Traceback" not in first["stderr"]
     check_resumed(reference, first, second, 5)
@@ -89,23 +108,9 @@ def test_a_checkpoint_that_cannot_fit_is_refused_before_it_starts(shards, refere
 def test_a_disk_that_fills_during_a_save_is_reported_and_the_previous_checkpoint_kept(
     shards, reference, tmp_path, tally
 ):
-    """As if another program filled the disk after the space check: orbax's writes fail midway."""
+    """orbax's writes fail midway."""
     tally("disk")
-    args = ["pretrain", "--data", str(shards), "--out", str(tmp_path / "disk" / "run"), *PRETRAIN,
-            "--checkpoint.every=5"]  # fmt: skip
-    # The other program leaves 64 KiB free when checkpoint 10 starts, once: checkpoint 10 (about 1 MiB) cannot
-    # fit, and the second attempt, on the grown disk, has room. (A disk sized to hold exactly one checkpoint would
-    # not do: how much room a save takes while in progress varies from run to run.)
-    code = (
-        "import shutil, sys; from bertforge.train.checkpoint import Checkpoints; from bertforge.cli import main\n"
-        "def fill(self, step, state):\n"
-        "    filler = self.directory.parent.parent / 'filler'\n"
-        "    if step == 10 and not filler.exists():\n"
-        "        filler.write_bytes(bytes(shutil.disk_usage(self.directory).free - 65536))\n"
-        "Checkpoints._check_space = fill\n"
-        f"sys.exit(main({args!r}))"
-    )
-    first, second = on_small_disk(tmp_path, 4096, [sys.executable, "-c", code])
+    first, second = on_small_disk(tmp_path, 4096, pretrain_filling_the_disk(shards, tmp_path, check_space=False))
     assert first["rc"] == 2
     line = last_line(first["stderr"])
     assert line.startswith(f"error: {tmp_path}/disk/run/checkpoints: could not save checkpoint 10 (No space left")
