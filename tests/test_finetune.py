@@ -16,7 +16,7 @@ import pytest
 from flax import nnx
 
 from bertforge.cli import main as cli
-from bertforge.data.batching import epoch_batches
+from bertforge.data.batching import bucket_length, epoch_batches
 from bertforge.data.folds import assign_folds, bin_targets, sturges_bins
 from bertforge.model.bert import build
 from bertforge.model.hf import load_pretrained, save_pretrained
@@ -143,18 +143,30 @@ def test_metrics_match_scipy_and_sklearn():
 
 # ------------------------------------------------------------------------------------------------------ batching
 def test_epoch_batches_cover_every_row_once_group_lengths_and_start_with_the_longest():
-    lengths = np.random.default_rng(0).integers(10, 250, size=203)
+    lengths = np.random.default_rng(0).integers(10, 250, size=1003)
+
+    def padded_tokens(batches):
+        return sum(16 * bucket_length(lengths[b].max(), 256) for b in batches)
+
+    def neighbours(batches):
+        return {(a, c) for b in batches for a in b for c in b if a < c}
+
+    by_length = np.argsort(-lengths)
+    sorted_batches = [by_length[i : i + 16] for i in range(0, len(lengths), 16)]
     for epoch in range(3):
         batches = epoch_batches(lengths, 16, 32, seed=5, epoch=epoch)
         rows = np.concatenate(batches)
-        assert sorted(rows.tolist()) == list(range(203))
-        assert all(len(b) == 16 for b in batches[:-1] if len(b) != 203 % 16)
+        assert sorted(rows.tolist()) == list(range(1003))
+        assert sorted(len(b) for b in batches)[1:] == [16] * (len(batches) - 1)  # one short batch at most
         assert lengths[batches[0]].max() == lengths.max()
         spread = np.mean([np.ptp(lengths[b]) for b in batches])
         assert spread < 40  # random batches spread over about 200 tokens
+        assert padded_tokens(batches) < 1.05 * padded_tokens(sorted_batches)
         again = epoch_batches(lengths, 16, 32, 5, epoch)
         assert all(np.array_equal(a, b) for a, b in zip(batches, again, strict=True))
-    assert not np.array_equal(epoch_batches(lengths, 16, 32, 5, 0)[1], epoch_batches(lengths, 16, 32, 5, 1)[1])
+    # Rows meet different neighbours from epoch to epoch (sorting the whole set would pair the same ones).
+    first, second = (neighbours(epoch_batches(lengths, 16, 32, 5, e)) for e in (0, 1))
+    assert len(first & second) < 0.5 * len(first)
 
 
 # ------------------------------------------------------------------------------------------------------ the step
