@@ -10,7 +10,7 @@ import traceback
 from collections.abc import Sequence
 from typing import Any
 
-from bertforge.errors import StorageError, UserError, storage_problem
+from bertforge.errors import StorageError, UserError, failed_collective, storage_problem
 
 
 def _make(cls: Any, **kwargs: Any) -> Any:
@@ -443,10 +443,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         code = 130
-    except BaseException:
+    except BaseException as e:
         if not _in_multiprocess_run():
             raise
-        traceback.print_exc()
+        lost = failed_collective(e)
+        if lost is None:
+            traceback.print_exc()
+        else:
+            import jax
+
+            print(
+                f"error: process {jax.process_index()} of {jax.process_count()}: a collective with the other "
+                f"processes failed ({lost}); another process has probably stopped, its log says why. Run the same "
+                "command again on every process to continue from the last checkpoint",
+                file=sys.stderr,
+            )
         code = 1
     if leave_at_once or (code not in (0, 143) and _in_multiprocess_run()):
         # Leave at once: a normal exit waits at JAX's shutdown barrier for processes that, stuck in a collective

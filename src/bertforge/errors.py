@@ -39,3 +39,14 @@ def mentions_storage_problem(text: str) -> bool:
 def _quoted_error_code(text: str) -> int | None:
     match = re.search(r"os_error_code='(\d+)'", text)
     return int(match.group(1)) if match else None
+
+
+# How the cross-process collectives (Gloo on CPU, NCCL on GPU) word a peer that went away mid-exchange.
+_COLLECTIVE_FAILURES = re.compile(r"Gloo|NCCL|collective mismatch|Connection closed by peer|Connection reset by peer")
+
+
+def failed_collective(e: BaseException) -> str | None:
+    """`e`'s message on one line when it is a collective between processes that failed (as when another process
+    died mid-step), else None."""
+    text = str(e)
+    return " ".join(text.split()) if _COLLECTIVE_FAILURES.search(text) else None
