@@ -5,12 +5,14 @@ from __future__ import annotations
 import csv
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 import yaml
@@ -18,6 +20,7 @@ from test_finetune import river_rows, write_table
 from test_pretrain import _wait_for_step, losses, params_of
 
 from bertforge.cli import main as cli
+from bertforge.errors import failed_collective
 from bertforge.tasks.launch import LaunchConfig, describe_exit, process_env
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -127,6 +130,31 @@ def test_a_killed_process_stops_the_launch_and_the_same_command_resumes(shards, 
     assert_same_metrics(tmp_path / "killed", tmp_path / "reference", after=resumed_from)
 
 
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="finds the launched processes through /proc")
+def test_a_sigterm_to_one_process_stops_all_after_the_same_step_with_a_checkpoint(shards, tmp_path):
+    # A scheduler signals hosts a moment apart: here only process 1 hears it. Had each process stopped on its own
+    # signal, process 0 would train on alone and both would wait forever in different collectives.
+    cfg = write_config(tmp_path / "config.yaml", train={"max_steps": 40}, checkpoint={"every": 100})
+    common = ["pretrain", "--config", str(cfg), "--data", str(shards)]
+    command = launch(*common, "--out", str(tmp_path / "stopped"))
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for_step(tmp_path / "stopped", random.Random(os.environ.get("PYTEST_SEED", "bertforge")).randint(4, 25), proc)
+    os.kill(_process_pid(proc.pid, 1), signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err[-3000:]
+    stopped = re.search(r"stopped by signal 15 at step (\d+); checkpoint saved", err)
+    assert stopped, err[-3000:]
+    step = int(stopped.group(1))
+    assert stopped.group(0) in (tmp_path / "stopped" / "logs" / "process-1.log").read_text()
+    assert [p.name for p in (tmp_path / "stopped" / "checkpoints").iterdir() if p.name.isdigit()] == [str(step)]
+
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"resuming from step {step}" in done.stdout + done.stderr
+    assert cli([*common, "--out", str(tmp_path / "reference")]) == 0
+    assert_same_metrics(tmp_path / "stopped", tmp_path / "reference", after=step)
+
+
 def test_without_the_launcher_a_dead_process_stops_the_others_within_a_minute(shards, tmp_path):
     # As on a cluster: each process started on its own, meeting at a coordinator address.
     cfg = write_config(tmp_path / "config.yaml", train={"max_steps": 5000})
@@ -151,11 +179,29 @@ def test_without_the_launcher_a_dead_process_stops_the_others_within_a_minute(sh
         _, err = procs[0].communicate(timeout=120)
         assert time.monotonic() - killed_at < 60
         assert procs[0].returncode != 0
-        assert "another task died" in err  # JAX's distributed runtime: the heartbeat of process 1 stopped
+        # Waiting for process 1, process 0 is stopped by JAX's distributed runtime once the heartbeats stop; caught
+        # exchanging data with it, its collective fails and it says so.
+        lost = "error: process 0 of 2: a collective with the other processes failed"
+        assert "another task died" in err or lost in err, err[-3000:]
+        assert "Traceback" not in err
     finally:
         for p in procs:
             p.kill()
             p.wait()
+
+
+def test_a_failed_collective_is_told_apart_from_other_errors():
+    # The end of what process 0 printed when process 1 was killed in the middle of a step (the start was cut off).
+    seen = (
+        "256 vs 8. Received data size doesn't match expected size. Is there a distributed collective mismatch in "
+        "your code?"
+    )
+    assert failed_collective(jax.errors.JaxRuntimeError(seen)) == seen
+    assert failed_collective(RuntimeError("Gloo allgather failed:\n  Connection closed by peer [10.0.0.2]:4321")) == (
+        "Gloo allgather failed: Connection closed by peer [10.0.0.2]:4321"
+    )
+    assert failed_collective(jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory")) is None
+    assert failed_collective(ValueError("row 3: empty text")) is None
 
 
 def test_exit_descriptions_and_process_environments():
