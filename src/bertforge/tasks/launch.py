@@ -139,7 +139,7 @@ def main(cfg: LaunchConfig) -> int:
     stopping: list[int] = []
 
     def forward_signal(signum: int, frame: object) -> None:
-        stopping.append(signum)  # the trainers save a checkpoint together and exit 143
+        stopping.append(signum)  # the trainers agree on a step, save a checkpoint together and exit 143
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)

@@ -48,14 +48,22 @@ class Budget:
 
 
 class StopFlag:
-    """Set by SIGTERM (and SIGINT once); the loop checks it after every step."""
+    """Set by SIGTERM (and SIGINT once); the loop asks `stop_after(step)` after every step.
+
+    With several processes all must stop after the same step: saving is collective, and a process that ran one step
+    more would wait forever for the others, as happens when a scheduler signals hosts a moment apart. There JAX's
+    preemption service keeps SIGTERM: it tells every process and they agree on the step to stop after. A first
+    SIGINT is handed to it as a SIGTERM.
+    """
 
     def __init__(self) -> None:
         self.signal: int | None = None
         self._old: dict[int, Any] = {}
+        self._agreed = False
 
     def __enter__(self) -> StopFlag:
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        self._agreed = jax.process_count() > 1 and bool(jax.config.jax_enable_preemption_service)
+        for sig in (signal.SIGINT,) if self._agreed else (signal.SIGTERM, signal.SIGINT):
             self._old[sig] = signal.signal(sig, self._handle)
         return self
 
@@ -63,6 +71,19 @@ class StopFlag:
         if self.signal == signal.SIGINT and signum == signal.SIGINT:
             raise KeyboardInterrupt  # a second Ctrl-C stops at once
         self.signal = signum
+        if self._agreed:
+            signal.raise_signal(signal.SIGTERM)  # to the preemption service, which tells the other processes
+
+    def stop_after(self, step: int) -> bool:
+        """Whether to save and stop after `step`; with several processes, the same answer on each of them."""
+        if not self._agreed:
+            return self.signal is not None
+        from jax.experimental import multihost_utils
+
+        if not multihost_utils.reached_preemption_sync_point(step):
+            return False
+        self.signal = self.signal or signal.SIGTERM
+        return True
 
     def __exit__(self, *exc: object) -> None:
         for sig, old in self._old.items():
@@ -115,7 +136,7 @@ def run(
         last_lr = lr
         pending.append(metrics)
         boundary = step % log_every == 0 or budget.done(step, time.perf_counter() - start)
-        stopping = stop_flag is not None and stop_flag.signal is not None
+        stopping = stop_flag is not None and stop_flag.stop_after(step)
         if boundary or stopping or any(step % h.every == 0 for h in hooks):
             _check_finite(pending, step)
         if boundary:
