@@ -130,6 +130,22 @@ def test_a_killed_process_stops_the_launch_and_the_same_command_resumes(shards, 
     assert_same_metrics(tmp_path / "killed", tmp_path / "reference", after=resumed_from)
 
 
+def test_a_time_budget_over_two_processes_ends_both_after_the_same_step(shards, tmp_path):
+    cfg = write_config(tmp_path / "config.yaml", train={"max_steps": None, "time_budget_minutes": 0.1})
+    done = subprocess.run(
+        launch("pretrain", "--config", str(cfg), "--data", str(shards), "--out", str(tmp_path / "run")),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    ends = [
+        re.findall(r"pretrained (\d+) steps", text)
+        for text in (done.stdout, (tmp_path / "run" / "logs" / "process-1.log").read_text())
+    ]
+    assert len(ends[0]) == 1 and ends[0] == ends[1]
+
+
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="finds the launched processes through /proc")
 def test_a_sigterm_to_one_process_stops_all_after_the_same_step_with_a_checkpoint(shards, tmp_path):
     # A scheduler signals hosts a moment apart: here only process 1 hears it. Had each process stopped on its own

@@ -105,6 +105,33 @@ def test_out_of_memory_at_the_first_step_names_the_knobs():
         loop.run(None, exhausted, lambda: None, lambda p: 1.0, loop.Budget(max_steps=3), 0, [], lambda s, m: None, 1)
 
 
+def test_with_a_shared_clock_a_time_budget_ends_alike_whatever_the_local_clock():
+    # As the processes of one run see it: their own clocks run apart, and process 0's is shared at each log boundary.
+    from bertforge.train import loop
+
+    def steps_and_rates(step_seconds: float) -> tuple[int, list[float]]:
+        shared = iter(range(1, 100))  # process 0's elapsed seconds at the log boundaries: 1, 2, 3, ...
+        rates = []
+
+        def step_fn(state, batch, lr):
+            time.sleep(step_seconds)
+            rates.append(lr)
+            return state, {"finite": True, "loss": 1.0}
+
+        budget = loop.Budget(seconds=4.5)
+        clock = lambda local: float(next(shared))  # noqa: E731
+        _, step, _ = loop.run(
+            None, step_fn, lambda: None, lambda p: p, budget, 0, [], lambda s, m: None, 3, clock=clock
+        )
+        return step, rates
+
+    # Boundaries every 3 steps share 1, 2, 3, 4, 5 s: the rate (here the progress) holds for 3 steps at a time, and
+    # the run ends at the boundary that passes 4.5 s.
+    expected = (15, [k / 4.5 for k in range(5) for _ in range(3)])
+    assert steps_and_rates(0.01) == expected
+    assert steps_and_rates(0.0) == expected
+
+
 def test_accumulation_gives_the_update_of_the_large_batch(shards, tmp_path):
     # Without dropout, 4 micro-batches of 8 are the batch of 32 cut in four.
     big = config(shards, train={"global_batch": 32, "max_steps": 6})

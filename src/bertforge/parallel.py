@@ -145,3 +145,10 @@ def fetch(tree: Any) -> Any:
     from jax.experimental import multihost_utils
 
     return multihost_utils.process_allgather(tree, tiled=True)
+
+
+def process_0s(value: float) -> float:
+    """Process 0's `value`, on every process: a collective, so every process must call it."""
+    from jax.experimental import multihost_utils
+
+    return float(multihost_utils.broadcast_one_to_all(np.float32(value)))

@@ -27,7 +27,7 @@ from bertforge.errors import UserError
 from bertforge.fileio import write_atomic, write_folder_atomic
 from bertforge.model.bert import ModelConfig, build
 from bertforge.model.presets import preset
-from bertforge.parallel import batch_sharding, global_array, make_mesh, param_shardings
+from bertforge.parallel import batch_sharding, global_array, make_mesh, param_shardings, process_0s
 from bertforge.tasks.export import RUN_FILE
 from bertforge.tasks.init import fit_to_tokenizer
 from bertforge.tokenizer import BertTokenizer
@@ -393,6 +393,7 @@ def _main(cfg: PretrainConfig, run_dir: Path, resume: str, vocab_given: bool) ->
                 peak_flops=peak,
                 stop_flag=stop,
                 on_stop=lambda s, st: (save(s, st), checkpoints.wait()),
+                clock=process_0s if seconds is not None and jax.process_count() > 1 else None,
             )
         if checkpoints.latest_step() != step:
             save(step, state)

@@ -113,15 +113,27 @@ def run(
     peak_flops: float = float("nan"),
     stop_flag: StopFlag | None = None,
     on_stop: Callable[[int, Any], None] | None = None,
+    clock: Callable[[float], float] | None = None,
 ) -> tuple[Any, int, float]:
-    """Run steps until the budget is spent; returns (state, step, elapsed seconds)."""
+    """Run steps until the budget is spent; returns (state, step, elapsed seconds).
+
+    `clock`, given this process's elapsed seconds, returns the ones every process agrees on (process 0's). With it,
+    a time budget sees the elapsed time of the last log boundary, refreshed at each: processes reading their own
+    clocks could disagree on the step a deadline falls after (one would stop while the others wait for it in a
+    collective for ever) and on the learning rate.
+    """
     step = start_step
     start = time.perf_counter() - elapsed_before
+    agreed = elapsed_before
+
+    def budget_elapsed() -> float:
+        return agreed if clock is not None else time.perf_counter() - start
+
     pending: list[dict[str, Any]] = []
     window_start, window_steps, window_paused = time.perf_counter(), 0, 0.0
     last_lr = 0.0
-    while not budget.done(step, time.perf_counter() - start):
-        lr = lr_at(budget.progress(step, time.perf_counter() - start))
+    while not budget.done(step, budget_elapsed()):
+        lr = lr_at(budget.progress(step, budget_elapsed()))
         batch = next_batch()
         try:
             state, metrics = step_fn(state, batch, lr)
@@ -135,7 +147,7 @@ def run(
         window_steps += 1
         last_lr = lr
         pending.append(metrics)
-        boundary = step % log_every == 0 or budget.done(step, time.perf_counter() - start)
+        boundary = step % log_every == 0 or budget.done(step, budget_elapsed())
         stopping = stop_flag is not None and stop_flag.stop_after(step)
         if boundary or stopping or any(step % h.every == 0 for h in hooks):
             _check_finite(pending, step)
@@ -152,6 +164,8 @@ def run(
             record["elapsed"] = time.perf_counter() - start
             log(step, record)
             pending, window_start, window_steps, window_paused = [], time.perf_counter(), 0, 0.0
+            if clock is not None:
+                agreed = clock(time.perf_counter() - start)
         hooks_start = time.perf_counter()  # the steps are done: _check_finite above waited for them
         for hook in (h for h in hooks if step % h.every == 0):
             extra = hook.fn(step, state)
