@@ -106,28 +106,42 @@ def _process_pid(parent: int, process_id: int) -> int:
     raise AssertionError(f"no child with JAX_PROCESS_ID={process_id}")
 
 
+def _signal_process_1(
+    command: list[str], run_dir: Path, sig: signal.Signals, steps: tuple[int, int]
+) -> tuple[int, str, float]:
+    """Launch `command` and send `sig` to its process 1 at a random step within `steps`: (the launcher's return code,
+    its stderr, seconds from the signal to its end)."""
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for_step(run_dir, random.Random(os.environ.get("PYTEST_SEED", "bertforge")).randint(*steps), proc)
+    os.kill(_process_pid(proc.pid, 1), sig)
+    signalled_at = time.monotonic()
+    _, err = proc.communicate(timeout=120)
+    return proc.returncode, err, time.monotonic() - signalled_at
+
+
+def _resume_and_compare(command: list[str], common: list[str], run_dir: Path, step: int) -> None:
+    """The same command resumes from `step` and continues as one process that was never stopped."""
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"resuming from step {step}" in done.stdout + done.stderr
+    assert cli([*common, "--out", str(run_dir.parent / "reference")]) == 0
+    assert_same_metrics(run_dir, run_dir.parent / "reference", after=step)
+
+
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="finds the launched processes through /proc")
 def test_a_killed_process_stops_the_launch_and_the_same_command_resumes(shards, tmp_path):
     cfg = write_config(tmp_path / "config.yaml", train={"max_steps": 40}, checkpoint={"every": 4})
     common = ["pretrain", "--config", str(cfg), "--data", str(shards)]
     command = launch(*common, "--out", str(tmp_path / "killed"))
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    _wait_for_step(tmp_path / "killed", random.Random(os.environ.get("PYTEST_SEED", "bertforge")).randint(6, 30), proc)
-    os.kill(_process_pid(proc.pid, 1), signal.SIGKILL)
-    killed_at = time.monotonic()
-    _, err = proc.communicate(timeout=120)
-    assert time.monotonic() - killed_at < 60
-    assert proc.returncode == 128 + signal.SIGKILL
+    code, err, seconds = _signal_process_1(command, tmp_path / "killed", signal.SIGKILL, (6, 30))
+    assert seconds < 60
+    assert code == 128 + signal.SIGKILL
     assert "error: process 1 of 2" in err and "was killed by SIGKILL" in err and "same command" in err
 
     checkpoints = [int(p.name) for p in (tmp_path / "killed" / "checkpoints").iterdir() if p.name.isdigit()]
     resumed_from = max(checkpoints)
     assert 4 <= resumed_from < 40
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert f"resuming from step {resumed_from}" in done.stdout + done.stderr
-    assert cli([*common, "--out", str(tmp_path / "reference")]) == 0
-    assert_same_metrics(tmp_path / "killed", tmp_path / "reference", after=resumed_from)
+    _resume_and_compare(command, common, tmp_path / "killed", resumed_from)
 
 
 def test_a_time_budget_over_two_processes_ends_both_after_the_same_step(shards, tmp_path):
@@ -153,22 +167,14 @@ def test_a_sigterm_to_one_process_stops_all_after_the_same_step_with_a_checkpoin
     cfg = write_config(tmp_path / "config.yaml", train={"max_steps": 40}, checkpoint={"every": 100})
     common = ["pretrain", "--config", str(cfg), "--data", str(shards)]
     command = launch(*common, "--out", str(tmp_path / "stopped"))
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    _wait_for_step(tmp_path / "stopped", random.Random(os.environ.get("PYTEST_SEED", "bertforge")).randint(4, 25), proc)
-    os.kill(_process_pid(proc.pid, 1), signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 143, err[-3000:]
+    code, err, _ = _signal_process_1(command, tmp_path / "stopped", signal.SIGTERM, (4, 25))
+    assert code == 143, err[-3000:]
     stopped = re.search(r"stopped by signal 15 at step (\d+); checkpoint saved", err)
     assert stopped, err[-3000:]
     step = int(stopped.group(1))
     assert stopped.group(0) in (tmp_path / "stopped" / "logs" / "process-1.log").read_text()
     assert [p.name for p in (tmp_path / "stopped" / "checkpoints").iterdir() if p.name.isdigit()] == [str(step)]
-
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert f"resuming from step {step}" in done.stdout + done.stderr
-    assert cli([*common, "--out", str(tmp_path / "reference")]) == 0
-    assert_same_metrics(tmp_path / "stopped", tmp_path / "reference", after=step)
+    _resume_and_compare(command, common, tmp_path / "stopped", step)
 
 
 def test_without_the_launcher_a_dead_process_stops_the_others_within_a_minute(shards, tmp_path):
