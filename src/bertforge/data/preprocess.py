@@ -21,9 +21,11 @@ import multiprocessing
 import os
 import resource
 import sys
+import tempfile
 import time
 import zlib
 from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import fsspec
@@ -36,6 +38,7 @@ from bertforge.tokenizer import BertTokenizer
 
 MODES = ("concat", "complete", "doc")
 MANIFEST = "manifest.json"
+TOKENIZER_DIR = "tokenizer"  # the shards' own copy of their tokenizer, named in the manifest relative to the folder
 FORMAT = "bertforge-shards/1"
 CHUNK_DOCS = 512  # documents per unit of work sent to a worker
 
@@ -354,9 +357,11 @@ def main(cfg: PreprocessConfig, progress: bool | None = None) -> dict[str, Any]:
         splits[split]["split_sentences"] = packers[split].split_sentences
     if splits["train"]["sequences"] == 0:
         raise UserError(f"{', '.join(cfg.files)}: no training text (every document went to validation)")
+    _write_tokenizer(fs, root, tok)
     seconds = time.perf_counter() - start
     manifest = {
         "format": FORMAT,
+        "tokenizer": TOKENIZER_DIR,
         "tokenizer_sha256": fingerprint,
         "vocab_size": tok.vocab_size,
         "special_ids": tok.special_ids(),
@@ -373,6 +378,18 @@ def main(cfg: PreprocessConfig, progress: bool | None = None) -> dict[str, Any]:
         fh.write((json.dumps(manifest, indent=2) + "\n").encode("utf-8"))
     fs.mv(tmp, f"{root}/{MANIFEST}")
     return manifest
+
+
+def _write_tokenizer(fs: Any, root: str, tok: BertTokenizer) -> None:
+    """A copy of the tokenizer inside the shard folder, so the folder works wherever it is moved or copied."""
+    fs.makedirs(f"{root}/{TOKENIZER_DIR}", exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        tok.save(tmp)
+        for file in sorted(Path(tmp).iterdir()):
+            path = f"{root}/{TOKENIZER_DIR}/{file.name}"
+            with fs.open(f"{path}.tmp", "wb") as fh:
+                fh.write(file.read_bytes())
+            fs.mv(f"{path}.tmp", path)
 
 
 def _work_whole(chunk: list[tuple[str, str]], tok: BertTokenizer | None = None) -> list[list[np.ndarray]]:

@@ -12,15 +12,18 @@ import hashlib
 import io
 import queue
 import re
+import tempfile
 import threading
+from pathlib import Path
 from typing import Any
 
 import fsspec
 import jax
 import numpy as np
 
-from bertforge.data.preprocess import MANIFEST, read_manifest, tokenizer_fingerprint
+from bertforge.data.preprocess import MANIFEST, TOKENIZER_DIR, read_manifest, tokenizer_fingerprint
 from bertforge.errors import UserError
+from bertforge.tokenizer import BertTokenizer
 
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*\.npy")
 
@@ -54,6 +57,27 @@ class Shards:
     @property
     def pad_id(self) -> int:
         return int(self.manifest["special_ids"]["pad"])
+
+    def tokenizer(self) -> tuple[BertTokenizer, str]:
+        """The tokenizer the shards were made with, and where it was read from.
+
+        A shard folder carries its own copy, read through fsspec wherever the folder now is (another directory,
+        a bucket); folders made before that name the tokenizer folder given to `preprocess`.
+        """
+        name = self.manifest.get("tokenizer")
+        if name is None:
+            source = str(self.manifest.get("settings", {}).get("tokenizer", ""))
+            return BertTokenizer.load(source), source
+        if name != TOKENIZER_DIR:  # a name from a file: never a path outside the folder
+            raise UserError(f"{self.root}/{MANIFEST}: tokenizer {name!r} is not the folder's own '{TOKENIZER_DIR}'")
+        source = f"{self.root}/{name}"
+        with tempfile.TemporaryDirectory() as tmp:
+            for file in ("tokenizer.json", "tokenizer_config.json"):
+                try:
+                    Path(tmp, file).write_bytes(self.fs.cat_file(f"{self._path}/{name}/{file}"))
+                except FileNotFoundError:
+                    raise UserError(f"{source}/{file}: missing (the shard folder was copied in part)") from None
+            return BertTokenizer.load(tmp), source
 
     def check_tokenizer(self, tokenizer: Any, source: str) -> None:
         """The shards must have been made with this very tokenizer."""
