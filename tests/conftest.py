@@ -6,6 +6,8 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# No compilation cache in the user's folder: a test's compilations stay its own (test_compile_cache.py turns it on).
+os.environ.setdefault("BERTFORGE_COMPILE_CACHE", "off")
 
 import random  # noqa: E402
 from pathlib import Path  # noqa: E402

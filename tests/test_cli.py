@@ -209,6 +209,22 @@ def test_console_script_reports_errors_without_traceback(tmp_path):
     assert_one_line_error(proc.returncode, proc.stdout, proc.stderr, "absent.txt: no such file")
 
 
+def test_version_is_the_installed_package_version(monkeypatch):
+    import importlib.metadata
+
+    exe = os.path.join(os.path.dirname(sys.executable), "bertforge")
+    proc = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and not proc.stderr, proc.stderr
+    assert proc.stdout == f"bertforge {importlib.metadata.version('bertforge')}\n"
+    assert bertforge.version() == bertforge.__version__ == importlib.metadata.version("bertforge")
+
+    def not_installed(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", not_installed)
+    assert bertforge.version() == "unknown"
+
+
 def test_python_api_returns_what_the_cli_writes(wordpiece_dir, tmp_path, capsys):
     folder = save_hf_model(BertForSequenceClassification, "bert", wordpiece_dir, tmp_path / "hf", num_labels=1)
     texts = ["The river city had a music school.", "Short!"]
@@ -232,7 +248,7 @@ def test_shortened_demo_runs_end_to_end(wordpiece_dir, tmp_path, capsys):
     compare = save_hf_model(BertForMaskedLM, "bert", wordpiece_dir, tmp_path / "compare")
     out_dir = tmp_path / "demo"
     code, out, err = run_cli(
-        capsys, "demo", "--out", out_dir, "--preset", "test", "--minutes", 0.05, "--folds", 2, "--epochs", 1,
+        capsys, "demo", "--out", out_dir, "--preset", "test", "--steps", 6, "--folds", 2, "--epochs", 1,
         "--per-class", 20, "--compare", compare,
     )  # fmt: skip
     assert code == 0, err
@@ -247,6 +263,7 @@ def test_shortened_demo_runs_end_to_end(wordpiece_dir, tmp_path, capsys):
 
     for run, name in (
         (out_dir / "finetune-pretrained", "BERT test pretrained above"),
+        (out_dir / "finetune-random", "BERT test, random weights"),
         (out_dir / "finetune-compare", "compare"),
     ):
         summary = json.loads((run / "summary.json").read_text())

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from bertforge import version
 from bertforge.cli import main as cli
 from bertforge.config import from_dict
 from bertforge.tasks import pretrain
@@ -321,3 +322,29 @@ def test_best_step_is_the_lowest_validation_loss_not_the_latest(tmp_path):
     assert latest_only.all_steps() == [2, 3]
     assert latest_only.best_step() == 2  # the best of the steps kept, not the latest
     latest_only.close()
+
+
+def test_a_moved_or_uploaded_shard_folder_pretrains_without_tokenizer(wordpiece_dir, tmp_path):
+    import shutil
+
+    import fsspec
+    from test_preprocess import make_documents, run
+
+    given = shutil.copytree(wordpiece_dir, tmp_path / "tok")
+    run(tmp_path, given, make_documents(n_docs=200, seed=3), name="made", seq_len=32, valid_fraction=0.05)
+    shutil.rmtree(given)  # the tokenizer folder named to preprocess is not on this machine
+    moved = tmp_path / "elsewhere" / "shards"
+    shutil.move(tmp_path / "made", moved)
+    fsspec.filesystem("memory").put(str(moved), "/bucket/shards", recursive=True)
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text(
+        "model: {preset: test}\ntrain: {global_batch: 8, max_steps: 2}\neval: {every: 2}\n"
+        "log: {every: 1, tensorboard: false, progress: false}\n"
+    )
+    for name, data in (("moved", str(moved)), ("bucket", "memory://bucket/shards")):
+        assert cli(["pretrain", "--config", str(cfg), "--data", data, "--out", str(tmp_path / name)]) == 0
+        assert sorted(losses(tmp_path / name)) == [1, 2]
+        assert json.loads((tmp_path / name / "run.json").read_text())["bertforge_version"] == version()
+        assert (tmp_path / name / "tokenizer" / "tokenizer.json").read_bytes() == (
+            wordpiece_dir / "tokenizer.json"
+        ).read_bytes()

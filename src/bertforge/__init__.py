@@ -17,7 +17,17 @@ from __future__ import annotations
 
 from typing import Any
 
-__version__ = "0.1.0"
+
+def version() -> str:
+    """This bertforge's version, from the installed package's metadata; 'unknown' when it is not installed."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("bertforge")
+    except PackageNotFoundError:
+        return "unknown"
+
 
 # Imported on first use, so that `bertforge --help` does not wait for JAX.
 _API = {
@@ -35,9 +45,15 @@ __all__ = list(_API)
 
 
 def __getattr__(name: str) -> Any:
+    if name == "__version__":
+        return version()  # read when asked: the metadata lookup is not free
     if name not in _API:
         raise AttributeError(f"module 'bertforge' has no attribute {name!r}")
     import importlib
+
+    from bertforge import compile_cache
+
+    compile_cache.enable()  # before the API's first compilation, as the CLI does
 
     module, attr = _API[name]
     obj: Any = importlib.import_module(module)

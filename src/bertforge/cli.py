@@ -150,6 +150,7 @@ def _predict(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         max_length=args.max_length,
         truncation=args.truncation,
+        quoted_tsv=args.quoted_tsv,
     )
     outputs = predict_main(cfg)
     print(f"wrote {len(outputs)} predictions -> {args.out}")
@@ -172,6 +173,7 @@ def _finetune(args: argparse.Namespace, extra: Sequence[str]) -> int:
         "error_column": args.error_column,
         "max_length": args.max_length,
         "truncation": args.truncation,
+        "quoted_tsv": args.quoted_tsv,
     }
     flags: dict[str, Any] = {"data": {k: v for k, v in data.items() if v is not None}}
     if args.model:
@@ -241,25 +243,35 @@ def _launch(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from bertforge.tasks import demo
 
-    compare = None if args.compare == "none" else args.compare
-    demo.main(
-        demo.DemoConfig(
-            out=args.out,
-            preset=args.preset,
-            minutes=args.minutes,
-            folds=args.folds,
-            epochs=args.epochs,
-            per_class=args.per_class,
-            compare=compare,
-        )
-    )
+    names = ("out", "preset", "steps", "minutes", "folds", "epochs", "per_class", "compare")
+    given = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+    if given.get("compare") == "none":
+        given["compare"] = None
+    demo.main(demo.DemoConfig(**given))  # flags left out keep DemoConfig's defaults
     return 0
+
+
+QUOTED_TSV_HELP = 'the .tsv table is written with CSV quoting (default: TSV has no quoting, so a " is text)'
+
+
+class _Version(argparse.Action):
+    """--version: prints `bertforge X.Y.Z` and exits; the version is looked up only when asked for."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, help="print the version and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any) -> None:
+        from bertforge import version
+
+        print(f"bertforge {version()}")
+        parser.exit()
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="bertforge", description="Pretrain and fine-tune BERT-family models with JAX on TPU, GPU or CPU."
     )
+    parser.add_argument("--version", action=_Version)
     sub = parser.add_subparsers(dest="command", required=True)
 
     tok = sub.add_parser("tokenizer", help="train a tokenizer").add_subparsers(dest="action", required=True)
@@ -347,6 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--batch-size", type=int, default=32)
     pr.add_argument("--max-length", type=int, default=None)
     pr.add_argument("--truncation", choices=["head", "tail", "head+tail"], default=None)
+    pr.add_argument("--quoted-tsv", action="store_true", help=QUOTED_TSV_HELP)
     pr.set_defaults(run=_predict)
 
     ft = sub.add_parser(
@@ -368,6 +381,7 @@ def build_parser() -> argparse.ArgumentParser:
     ft.add_argument("--fold", help="'all' (default) or fold numbers such as 0 or 0,2")
     ft.add_argument("--max-length", type=int, help="tokens per text (default 256)")
     ft.add_argument("--truncation", choices=["head", "tail", "head+tail"])
+    ft.add_argument("--quoted-tsv", action="store_true", default=None, help=QUOTED_TSV_HELP)
     ft.add_argument("--config", help="YAML (configs/finetune/*.yaml)")
     ft.add_argument("--out", required=True, help="run folder")
     ft.add_argument("--resume", default="auto", choices=["auto", "never"])
@@ -398,15 +412,15 @@ def build_parser() -> argparse.ArgumentParser:
     la.set_defaults(run=_launch)
 
     dm = sub.add_parser("demo", help="the whole pipeline on a built-in corpus (no download)")
-    dm.add_argument("--out", default="demo-output", help="folder for everything the demo writes")
-    dm.add_argument("--preset", default="mini", help="model size")
-    dm.add_argument("--minutes", type=float, default=3.0, help="pretraining budget, the part of the demo that scales")
-    dm.add_argument("--folds", type=int, default=5, help="folds of the fine-tuning task")
-    dm.add_argument("--epochs", type=float, default=3.0, help="fine-tuning epochs")
-    dm.add_argument("--per-class", type=int, default=150, help="docstrings per module in the fine-tuning task")
+    dm.add_argument("--out", help="folder for everything the demo writes (default: demo-output)")
+    dm.add_argument("--preset", help="model size (default: mini)")
+    dm.add_argument("--steps", type=int, help="pretraining steps, the part of the demo that scales (default: 600)")
+    dm.add_argument("--minutes", type=float, help="a pretraining time budget instead of --steps")
+    dm.add_argument("--folds", type=int, help="folds of the fine-tuning task (default: 3)")
+    dm.add_argument("--epochs", type=float, help="fine-tuning epochs (default: 3)")
+    dm.add_argument("--per-class", type=int, help="docstrings per module in the fine-tuning task (default: 150)")
     dm.add_argument(
         "--compare",
-        default="all-MiniLM-L6-v2",
         help="a model folder or hub id fine-tuned alongside the pretrained one (default: the shipped "
         "all-MiniLM-L6-v2 weights; 'none' for none)",
     )
@@ -422,6 +436,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         reconfigure(line_buffering=True)  # lines show as they come when stdout is a file or a pipe
     if args.command == "launch":
         extra = []  # everything after `launch` belongs to the launched command
+    _compile_once()
     leave_at_once = False
     try:
         if extra and not getattr(args, "takes_overrides", False):
@@ -467,6 +482,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.flush()
         os._exit(code)
     return code
+
+
+def _compile_once() -> None:
+    """JAX's persistent compilation cache for the command (and the processes it starts), before anything compiles."""
+    from bertforge import compile_cache
+
+    folder = compile_cache.enable()
+    if folder is not None:
+        compile_cache.say_cache_errors_once(folder)
 
 
 def _in_multiprocess_run() -> bool:

@@ -145,3 +145,16 @@ def test_preprocessing_onto_a_full_disk_writes_no_manifest_and_finishes_later(wo
     assert last_line(first["stderr"]).endswith("No space left on device; free space and run the same command again")
     assert not (first["disk"] / "out" / "manifest.json").exists()
     assert second["rc"] == 0 and shard_folder(second["disk"] / "out") == shard_folder(tmp_path / "expected")
+
+
+def test_a_compile_cache_on_a_full_disk_is_one_warning_line_and_the_command_succeeds(model_dir, tmp_path, tally):
+    """JAX writes its cache entries in place: the full disk cuts some short, and the next run cannot read them."""
+    tally("disk")
+    cache = tmp_path / "disk" / "cache"
+    cmd = ["env", f"BERTFORGE_COMPILE_CACHE={cache}", *bertforge("fill-mask", "--model", str(model_dir), "a [MASK]")]
+    first, second = on_small_disk(tmp_path, 32, cmd)
+    for attempt, words in ((first, "Error writing"), (second, "Error reading")):
+        assert attempt["rc"] == 0, attempt["stderr"][-3000:]
+        lines = attempt["stderr"].splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"warning: compile cache: {words} persistent"), lines
+        assert lines[0].endswith(f"going on without it (delete {cache} to clear it)")

@@ -1,6 +1,11 @@
 """Tables of texts and targets: CSV, TSV, JSONL and Parquet, local or fsspec URLs, read with named errors.
 
 Rows are numbered from 1, the header not counted, in every error message.
+
+CSV is RFC 4180: fields may be quoted, and a quoted field may hold commas, quotes ("") and line breaks. TSV is
+IANA's text/tab-separated-values: no quoting at all, a record per line, fields split on tabs, so a `"` is text like
+any other character (GLUE's tables are written so, and STS-B has a sentence that starts with an unmatched quote).
+TSV written with CSV-style quoting is read with `quoted_tsv=True`.
 """
 
 from __future__ import annotations
@@ -40,8 +45,8 @@ def _read_parquet(path: str) -> tuple[list[str], list[dict[str, Any]]]:
     return list(table.column_names), table.to_pylist()
 
 
-def read_table(path: str) -> tuple[list[str], list[dict[str, Any]]]:
-    """-> (column names, rows as dicts). Row numbers in errors count the header as row 1 for CSV/TSV."""
+def read_table(path: str, quoted_tsv: bool = False) -> tuple[list[str], list[dict[str, Any]]]:
+    """-> (column names, rows as dicts). `quoted_tsv` reads a .tsv with CSV quoting (and a tab between fields)."""
     fmt = _format(path)
     if fmt == "parquet":
         return _read_parquet(path)
@@ -64,12 +69,33 @@ def read_table(path: str) -> tuple[list[str], list[dict[str, Any]]]:
         raise UserError(f"{path}: line {line} is not UTF-8 text") from None
     if not text.strip():
         raise UserError(f"{path}: the file is empty")
+    if fmt == "tsv" and not quoted_tsv:
+        return _split_tsv(path, text)
     try:
         reader = csv.DictReader(io.StringIO(text, newline=""), delimiter="\t" if fmt == "tsv" else ",")
         columns = list(reader.fieldnames or [])
         rows = list(reader)
     except csv.Error as e:
         raise UserError(f"{path}: not a valid {fmt.upper()} file ({e})") from None
+    return columns, rows
+
+
+def _split_tsv(path: str, text: str) -> tuple[list[str], list[dict[str, Any]]]:
+    """TSV as IANA defines it: records split on line feeds (a carriage return before one dropped), fields on tabs,
+    nothing quoted. Empty lines are skipped, as the CSV reader skips them. A record whose fields do not match the
+    header's is an error: it is how a tab or a line break inside a field shows."""
+    records = (line.removesuffix("\r") for line in text.split("\n"))
+    records = (line for line in records if line)
+    columns = next(records).split("\t")
+    rows = []
+    for i, line in enumerate(records):
+        fields = line.split("\t")
+        if len(fields) != len(columns):
+            raise UserError(
+                f"{path}: row {i + 1} has {len(fields)} tab-separated field(s), the header {len(columns)} "
+                "(a tab or a line break inside a field? TSV has no quoting; --quoted-tsv reads quoted fields)"
+            )
+        rows.append(dict(zip(columns, fields, strict=True)))
     return columns, rows
 
 

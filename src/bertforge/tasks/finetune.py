@@ -24,6 +24,7 @@ import numpy as np
 import yaml
 from flax import nnx
 
+from bertforge import version
 from bertforge.config import to_dict
 from bertforge.data import tabular
 from bertforge.data.batching import BUCKET, bucket_length, epoch_batches, pad_batch
@@ -61,6 +62,7 @@ class DataConfig:
     max_length: int = 256
     truncation: str = "head"
     bucket: int = BUCKET  # pad batches to a multiple of this; 0 pads every batch to max_length
+    quoted_tsv: bool = False  # .tsv tables written with CSV quoting; by default a TSV has none and '"' is text
 
     def __post_init__(self) -> None:
         if self.truncation not in TRUNCATIONS:
@@ -159,7 +161,7 @@ class Table:
 def read_table(cfg: FinetuneConfig, path: str, classes: Sequence[str] | None = None) -> Table:
     """A training or validation table with every value checked; errors name the file, row and column."""
     d, task = cfg.data, cfg.head.task
-    columns, rows = tabular.read_table(path)
+    columns, rows = tabular.read_table(path, quoted_tsv=d.quoted_tsv)
     if not rows:
         raise UserError(f"{path}: no rows")
     texts = tabular.text_column(path, columns, rows, d.text_column)
@@ -525,6 +527,7 @@ def _main(
         write_atomic(run_dir / "config.yaml", yaml.safe_dump(to_dict(cfg), sort_keys=False))
         info = {
             "kind": "finetune",
+            "bertforge_version": version(),
             "task": cfg.head.task,
             "targets": list(cfg.data.target_columns),
             "labels": [pre.id2label[i] for i in range(len(pre.id2label))],

@@ -94,6 +94,7 @@ class PredictConfig:
     batch_size: int = 32
     max_length: int | None = None  # default: the fine-tuning run's, else the model's
     truncation: str | None = None  # default: the fine-tuning run's, else 'head'
+    quoted_tsv: bool = False  # a .tsv table written with CSV quoting; by default a TSV has none and '"' is text
 
     def __post_init__(self) -> None:
         if self.truncation is not None and self.truncation not in TRUNCATIONS:
@@ -195,7 +196,7 @@ def run_outputs(
 
 def predict_main(cfg: PredictConfig) -> np.ndarray:
     models, settings = load_models(cfg.model)
-    columns, rows = tabular.read_table(cfg.data)
+    columns, rows = tabular.read_table(cfg.data, quoted_tsv=cfg.quoted_tsv)
     if not rows:
         raise UserError(f"{cfg.data}: no rows")
     text_column = cfg.text_column or settings.get("text_column") or "text"

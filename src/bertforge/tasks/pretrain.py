@@ -19,6 +19,7 @@ import numpy as np
 import yaml
 from flax import nnx
 
+from bertforge import version
 from bertforge.bench.flops import device_peak_flops, train_flops_per_token
 from bertforge.config import to_dict
 from bertforge.data.masking import MaskingSpec, continuation_table
@@ -259,11 +260,14 @@ def main(cfg: PretrainConfig, out: str, resume: str = "auto", vocab_given: bool 
 def _main(cfg: PretrainConfig, run_dir: Path, resume: str, vocab_given: bool) -> dict[str, Any]:
     train_shards = Shards(cfg.data.shards, "train")
     manifest = train_shards.manifest
-    tokenizer_dir = cfg.data.tokenizer or manifest["settings"]["tokenizer"]
+    tokenizer_dir = cfg.data.tokenizer
     run_tokenizer = run_dir / "tokenizer"
-    if not cfg.data.tokenizer and (run_tokenizer / "tokenizer.json").exists():
+    if not tokenizer_dir and (run_tokenizer / "tokenizer.json").exists():
         tokenizer_dir = str(run_tokenizer)  # a resumed run uses its own copy
-    tokenizer = BertTokenizer.load(tokenizer_dir)
+    if tokenizer_dir:
+        tokenizer = BertTokenizer.load(tokenizer_dir)
+    else:
+        tokenizer, tokenizer_dir = train_shards.tokenizer()
     train_shards.check_tokenizer(tokenizer, tokenizer_dir)
     model_cfg = fit_to_tokenizer(cfg.model, tokenizer, vocab_given)
     train_shards.check_model(model_cfg.max_seq_len, model_cfg.vocab_size, "the model (model.max_position_embeddings)")
@@ -315,7 +319,16 @@ def _main(cfg: PretrainConfig, run_dir: Path, resume: str, vocab_given: bool) ->
         write_atomic(run_dir / "config.yaml", yaml.safe_dump(to_dict(cfg), sort_keys=False))
         write_atomic(
             run_dir / RUN_FILE,
-            json.dumps({"kind": "pretrain", "model": to_dict(model_cfg), "shards": cfg.data.shards}, indent=2) + "\n",
+            json.dumps(
+                {
+                    "kind": "pretrain",
+                    "bertforge_version": version(),
+                    "model": to_dict(model_cfg),
+                    "shards": cfg.data.shards,
+                },
+                indent=2,
+            )
+            + "\n",
         )
 
     masking = _masking_spec(cfg, tokenizer, manifest["special_ids"], model_cfg.vocab_size)
