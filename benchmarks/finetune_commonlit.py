@@ -13,6 +13,10 @@ the table gives the mean and standard deviation over the seeds.
     .venv/bin/python benchmarks/finetune_commonlit.py --compare padding
     .venv/bin/python benchmarks/finetune_commonlit.py --compare padding --max-length 512
     .venv/bin/python benchmarks/finetune_commonlit.py --compare hf --render   # redraw from the saved results
+    python benchmarks/finetune_commonlit.py --compare hf --device gpu --bf16   # on a GPU, bf16 on both sides
+
+`--bf16` runs bertforge with bfloat16 compute over float32 parameters (train.dtype) and the Trainer with bf16
+autocast (bf16=True); `--device gpu` lets the Trainer use the GPU (bertforge takes JAX's default device).
 """
 
 from __future__ import annotations
@@ -49,6 +53,8 @@ def _bertforge(args: argparse.Namespace, out: Path, bucket: int) -> dict:
         f"--data.bucket={bucket}", f"--train.epochs={args.epochs}", f"--data.max_length={args.max_length}",
         f"--train.seed={args.seed}",
     ]  # fmt: skip
+    if args.bf16:
+        cmd.append("--train.dtype=bfloat16")
     start = time.perf_counter()
     subprocess.run(cmd, check=True)
     wall = time.perf_counter() - start
@@ -67,7 +73,8 @@ def _bertforge(args: argparse.Namespace, out: Path, bucket: int) -> dict:
 def _hf(args: argparse.Namespace, folds_csv: Path, out: Path) -> dict:
     cmd = [sys.executable, __file__, "--hf-worker", "--folds-csv", str(folds_csv), "--hf-out", str(out)]
     cmd += ["--model", args.model, "--data", args.data, "--fold", str(args.fold), "--epochs", str(args.epochs)]
-    cmd += ["--max-length", str(args.max_length), "--seeds", str(args.seed)]
+    cmd += ["--max-length", str(args.max_length), "--seeds", str(args.seed), "--device", args.device]
+    cmd += ["--bf16"] if args.bf16 else []
     start = time.perf_counter()
     subprocess.run(cmd, check=True)
     wall = time.perf_counter() - start
@@ -115,6 +122,7 @@ def hf_worker(args: argparse.Namespace) -> None:
         hidden_dropout_prob=0.0,
         attention_probs_dropout_prob=0.0,
         classifier_dropout=0.0,
+        dtype=torch.float32,  # float32 parameters whatever the checkpoint stores
     )
     per_epoch = math.ceil(len(train) / SETTINGS["batch_size"])
     every = per_epoch // SETTINGS["evals_per_epoch"]
@@ -145,7 +153,8 @@ def hf_worker(args: argparse.Namespace) -> None:
         greater_is_better=False,
         logging_steps=10,
         report_to="none",
-        use_cpu=True,
+        use_cpu=args.device == "cpu",
+        bf16=args.bf16,
         seed=args.seed,
         dataloader_num_workers=0,
     )
@@ -169,6 +178,9 @@ def hf_worker(args: argparse.Namespace) -> None:
     best = trainer.evaluate()["eval_rmse"]  # the best checkpoint, loaded at the end
     out = {"rmse": best, "train_s": train_s, "best_metric": trainer.state.best_metric}
     out["torch_threads"] = torch.get_num_threads()
+    out["attn_implementation"] = model.config._attn_implementation
+    if args.device == "gpu":
+        out["device"] = torch.cuda.get_device_name(0)
     (Path(args.hf_out) / "result.json").write_text(json.dumps(out) + "\n")
 
 
@@ -181,6 +193,8 @@ def main() -> None:
     p.add_argument("--epochs", type=float, default=SETTINGS["epochs"])
     p.add_argument("--max-length", type=int, default=SETTINGS["max_length"])
     p.add_argument("--seeds", type=int, nargs="+", default=[0], help="training seeds, one run of each system per seed")
+    p.add_argument("--device", choices=["cpu", "gpu"], default="cpu", help="where the Trainer runs")
+    p.add_argument("--bf16", action="store_true", help="bf16 compute in both systems")
     p.add_argument("--work", default=str(ROOT / "runs/bench-commonlit"), help="run folders")
     p.add_argument("--hf-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--folds-csv", help=argparse.SUPPRESS)
@@ -196,6 +210,7 @@ def main() -> None:
     name = f"finetune_commonlit_{args.compare}" + (
         "" if args.max_length == SETTINGS["max_length"] else f"_{args.max_length}"
     )
+    name += ("_bf16" if args.bf16 else "") + ("_gpu" if args.device == "gpu" else "")
     if args.render:
         from report import RESULTS
 
@@ -281,6 +296,13 @@ def _report(args: argparse.Namespace, name: str, rows: list[dict]) -> None:
                 cells += [f"{r['rmse']:.4f}", f"{r['wall_s']:.0f} s"]
             lines.append(f"| {seed} | " + " | ".join(cells) + " |")
     cpu = f"{os.cpu_count()} CPU cores"
+    if args.device == "gpu":
+        gpu = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True
+        )
+        cpu = f"one {gpu.stdout.strip().splitlines()[0]}" if gpu.returncode == 0 and gpu.stdout.strip() else "GPU"
+    if args.bf16:
+        cpu += ", bf16"
     title = (
         f"CommonLit fold {args.fold}, all-MiniLM-L6-v2, max length {args.max_length}, batch "
         f"{SETTINGS['batch_size']}, {args.epochs:g} epochs, lr {SETTINGS['lr']:g}, {cpu}, "

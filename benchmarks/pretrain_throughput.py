@@ -7,6 +7,10 @@ steps. The bertforge rows switch its levers one at a time: the vocabulary projec
 projects 15% of the positions) against the device's peak (for a CPU, a measured large-matmul rate).
 
     .venv/bin/python benchmarks/pretrain_throughput.py [--presets mini small] [--device cpu|gpu]
+
+On a GPU the transformers rows add torch.compile with bf16 autocast, and the PyTorch processes see no GPU through
+JAX (JAX_PLATFORMS=cpu), so that only PyTorch holds its memory. Every child process runs with the interpreter
+running this script.
 """
 
 from __future__ import annotations
@@ -66,7 +70,8 @@ def run_bertforge(preset: str, batch: int, seq_len: int, steps: int, sparse: boo
             times.append(time.perf_counter() - start)
     peak, source = device_peak_flops(dtype)
     flops = train_flops_per_token(cfg, seq_len, RATE if sparse else 1.0)
-    return {"step_s": float(np.median(times)), "flops_per_token": flops, "peak": peak, "peak_source": source}
+    return {"step_s": float(np.median(times)), "flops_per_token": flops, "peak": peak, "peak_source": source,
+            "jax": jax.__version__}  # fmt: skip
 
 
 def run_torch(preset: str, batch: int, seq_len: int, steps: int, compiled: bool, bf16: bool, device: str) -> dict:
@@ -84,6 +89,7 @@ def run_torch(preset: str, batch: int, seq_len: int, steps: int, compiled: bool,
         num_attention_heads=cfg.num_heads,
         intermediate_size=cfg.intermediate_size,
         max_position_embeddings=cfg.max_position_embeddings,
+        attn_implementation="sdpa",  # torch.nn.functional.scaled_dot_product_attention (fused kernels on a GPU)
     )
     torch.manual_seed(0)
     model = BertForMaskedLM(hf).to(device).train()
@@ -131,7 +137,8 @@ def run_torch(preset: str, batch: int, seq_len: int, steps: int, compiled: bool,
         peak, source = measured_matmul_flops("bfloat16" if bf16 else "float32"), "measured matmul"
     flops = train_flops_per_token(cfg, seq_len, 1.0)
     return {"step_s": float(np.median(times)), "flops_per_token": flops, "peak": peak, "peak_source": source,
-            "warmup_s": compile_s}  # fmt: skip
+            "warmup_s": compile_s, "attn_implementation": model.config._attn_implementation,
+            "torch": torch.__version__}  # fmt: skip
 
 
 VARIANTS = [
@@ -143,6 +150,8 @@ VARIANTS = [
     ("bertforge bf16, dense head", "jax", {"sparse": False, "dtype": "bfloat16"}),
     ("bertforge bf16, sparse head", "jax", {"sparse": True, "dtype": "bfloat16"}),
 ]
+# On a GPU, PyTorch's fastest setting as well.
+GPU_VARIANTS = [("transformers torch.compile bf16 autocast", "torch", {"compiled": True, "bf16": True})]
 
 
 def main() -> None:
@@ -152,6 +161,10 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--steps", type=int, default=6, help="timed steps after 2-3 warm-up steps")
     ap.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
+    ap.add_argument("--timeout", type=float, help="seconds after which a variant's process is stopped and skipped")
+    ap.add_argument("--budget", type=float, help="seconds for all variants: later ones are skipped, results saved")
+    ap.add_argument("--variants", nargs="+", help="run only these implementations (names as in the table)")
+    ap.add_argument("--keep", action="store_true", help="add to the saved results, replacing only the rows run now")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -167,27 +180,62 @@ def main() -> None:
     if args.device == "cpu":
         env["JAX_PLATFORMS"] = "cpu"
         env["CUDA_VISIBLE_DEVICES"] = ""
+    torch_env = dict(env, JAX_PLATFORMS="cpu") if args.device == "gpu" else env
+    variants = VARIANTS[:3] + GPU_VARIANTS + VARIANTS[3:] if args.device == "gpu" else VARIANTS
+    order = [v[0] for v in variants]
+    if args.variants:
+        unknown = set(args.variants) - set(order)
+        if unknown:
+            ap.error(f"unknown variants {sorted(unknown)}; choose from {order}")
+        variants = [next(v for v in variants if v[0] == n) for n in dict.fromkeys(args.variants)]  # in this order
+    began = time.perf_counter()
     rows = []
     for preset in args.presets:
-        for name, impl, kw in VARIANTS:
+        for name, impl, kw in variants:
+            timeout = args.timeout
+            if args.budget is not None:
+                left = args.budget - (time.perf_counter() - began)
+                if left < 10:
+                    print(f"{preset} {name} skipped: the time budget is spent", file=sys.stderr)
+                    continue
+                timeout = left if timeout is None else min(timeout, left)
             spec = {"impl": impl, "preset": preset, "kw": kw, "device": "cuda" if args.device == "gpu" else "cpu"}
             cmd = [sys.executable, __file__, "--child", json.dumps(spec), "--batch", str(args.batch),
                    "--seq-len", str(args.seq_len), "--steps", str(args.steps)]  # fmt: skip
-            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+            start = time.perf_counter()
+            try:
+                proc = subprocess.run(cmd, capture_output=True, text=True, env=torch_env if impl == "torch" else env,
+                                      check=False, timeout=timeout)  # fmt: skip
+            except subprocess.TimeoutExpired:
+                print(f"{preset} {name} stopped after {timeout:g} s", file=sys.stderr)
+                continue
             if proc.returncode:
                 print(f"{preset} {name} failed:\n{proc.stderr[-2000:]}", file=sys.stderr)
                 continue
             r = json.loads(proc.stdout.strip().splitlines()[-1])
             tokens_s = args.batch * args.seq_len / r["step_s"]
             rows.append({"preset": preset, "implementation": name, "tokens_per_s": tokens_s,
-                         "mfu": r["flops_per_token"] * tokens_s / r["peak"], **r})  # fmt: skip
-            print(f"{preset:6} {name:36} {tokens_s:10,.0f} tokens/s", flush=True)
+                         "mfu": r["flops_per_token"] * tokens_s / r["peak"], **r,
+                         "process_s": time.perf_counter() - start})  # fmt: skip
+            print(
+                f"{preset:6} {name:40} {tokens_s:10,.0f} tokens/s  (process {rows[-1]['process_s']:.0f} s)", flush=True
+            )
 
+    name = f"pretrain_{args.device}" if args.seq_len == 128 else f"pretrain_{args.seq_len}_{args.device}"
+    if args.keep and (report.RESULTS / f"{name}.json").exists():
+        ran = {(r["preset"], r["implementation"]) for r in rows}
+        saved = json.loads((report.RESULTS / f"{name}.json").read_text())["rows"]
+        rows = [r for r in saved if (r["preset"], r["implementation"]) not in ran] + rows
+    presets = list(dict.fromkeys([r["preset"] for r in rows] + args.presets))
+    rows.sort(key=lambda r: (presets.index(r["preset"]), order.index(r["implementation"])))
+    gpu = args.device == "gpu"  # a GPU adds a column: against the best transformers row, bf16 included
     lines = [
-        "| preset | implementation | tokens/s | x best transformers (eager or compiled fp32) | MFU |",
-        "|---|---|---|---|---|",
+        "| preset | implementation | tokens/s | x best transformers (eager or compiled fp32) | "
+        + ("x best transformers (any) | " if gpu else "")
+        + "MFU |",
+        "|---|---|---|---|" + ("---|" if gpu else "") + "---|",
     ]
-    for preset in args.presets:
+    for preset in presets:
         ours = [r for r in rows if r["preset"] == preset]
         base = max(
             (
@@ -197,18 +245,19 @@ def main() -> None:
             ),
             default=float("nan"),
         )  # noqa: E501
+        best = max((r["tokens_per_s"] for r in ours if r["implementation"].startswith("transformers")),
+                   default=float("nan"))  # fmt: skip
         for r in ours:
             lines.append(f"| {preset} | {r['implementation']} | {r['tokens_per_s']:,.0f} | "
-                         f"{r['tokens_per_s'] / base:.2f} | {100 * r['mfu']:.1f}% |")  # fmt: skip
+                         f"{r['tokens_per_s'] / base:.2f} | " + (f"{r['tokens_per_s'] / best:.2f} | " if gpu else "")
+                         + f"{100 * r['mfu']:.1f}% |")  # fmt: skip
     import jax
 
     device = jax.devices()[0].device_kind if args.device == "gpu" else f"CPU, {os.cpu_count()} cores"
     title = f"MLM training step, batch {args.batch} x {args.seq_len}, vocabulary {VOCAB}, AdamW, {device}"
     bars = [(f"{r['preset']}: {r['implementation']}", r["tokens_per_s"],
              "C0" if r["implementation"].startswith("bertforge") else "C1") for r in rows]  # fmt: skip
-    report.save(
-        f"pretrain_{args.device}", title, "\n".join(lines), rows, bars, "training tokens / s (higher is better)"
-    )
+    report.save(name, title, "\n".join(lines), rows, bars, "training tokens / s (higher is better)")
 
 
 if __name__ == "__main__":
