@@ -425,11 +425,11 @@ def build_parser() -> argparse.ArgumentParser:
     dm = sub.add_parser("demo", help="the whole pipeline on a built-in corpus (no download)")
     dm.add_argument("--out", help="folder for everything the demo writes (default: demo-output)")
     dm.add_argument("--preset", help="model size (default: mini)")
-    dm.add_argument("--steps", type=int, help="pretraining steps, the part of the demo that scales (default: 300)")
+    dm.add_argument("--steps", type=int, help="pretraining steps, the part of the demo that scales (default: 600)")
     dm.add_argument("--minutes", type=float, help="a pretraining time budget instead of --steps")
     dm.add_argument("--folds", type=int, help="folds of the fine-tuning task (default: 3)")
     dm.add_argument("--compare-folds", type=int, help="folds the compared models run (default: 1)")
-    dm.add_argument("--max-length", type=int, help="tokens per docstring in fine-tuning (default: 64)")
+    dm.add_argument("--max-length", type=int, help="tokens per pretraining block and per docstring (default: 64)")
     dm.add_argument("--epochs", type=float, help="fine-tuning epochs (default: 3)")
     dm.add_argument("--per-class", type=int, help="docstrings per module in the fine-tuning task (default: 150)")
     dm.add_argument(
