@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -243,22 +244,12 @@ def _launch(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from bertforge.tasks import demo
 
-    names = (
-        "out",
-        "preset",
-        "steps",
-        "minutes",
-        "folds",
-        "compare_folds",
-        "epochs",
-        "max_length",
-        "per_class",
-        "compare",
-    )
-    given = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+    # Every DemoConfig field that has a flag and was given; the rest keep the dataclass defaults.
+    fields = (f.name for f in dataclasses.fields(demo.DemoConfig))
+    given = {name: getattr(args, name) for name in fields if getattr(args, name, None) is not None}
     if given.get("compare") == "none":
         given["compare"] = None
-    demo.main(demo.DemoConfig(**given))  # flags left out keep DemoConfig's defaults
+    demo.main(demo.DemoConfig(**given))
     return 0
 
 

@@ -32,8 +32,8 @@ PROMPTS = (
     "The socket is [MASK] when the connection ends.",
 )
 MINILM = "all-MiniLM-L6-v2"
-# Pretraining without dropout (a short run on 1.3 M tokens underfits); the random-weights model is built the same,
-# so the two fine-tune the same architecture with the same settings, and share their compiled programs.
+# Pretraining without dropout (a short run on 0.6 M tokens underfits); the random-weights model is built the same,
+# so the two fine-tune the same architecture with the same settings.
 NO_DROPOUT = {"hidden_dropout": 0.0, "attention_dropout": 0.0}
 
 
