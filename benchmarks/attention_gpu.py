@@ -3,7 +3,7 @@
 BERT-base shapes (12 heads of 64), batch 32, sequence lengths 128 and 512, bf16, with a padding mask (each row
 keeps a random length between half and all of the sequence, padded on the right as tokenizers pad). Variants:
 
-- bertforge attention: `bertforge.model.bert.attention` with `padding_bias`, the path of every layer without
+- bertforge attention: `bertforge.model.attention.attention` with `padding_bias`, the path of every layer without
   attention dropout (fine-tuning, evaluation), with its hand-written backward;
 - bertforge attention with dropout 0.1: the einsum path layers take in training with attention dropout (the
   pretraining default), differentiated automatically;
@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import report
 from flax import nnx
 
-from bertforge.model.bert import _attention_with_dropout, attention, padding_bias
+from bertforge.model.attention import attention, explicit_attention, padding_bias
 
 
 def reference(q, k, v, mask):
@@ -51,7 +51,7 @@ def variants() -> dict:
 
     return {
         "bertforge attention (hand-written backward)": lambda q, k, v, p: attention(q, k, v, padding_bias(p["mask"])),
-        "bertforge attention, dropout 0.1 (training path)": lambda q, k, v, p: _attention_with_dropout(
+        "bertforge attention, dropout 0.1 (training path)": lambda q, k, v, p: explicit_attention(
             q, k, v, p["mask"], dropout, p["key"]
         ),
         "jax dpa, XLA, mask (B,1,1,T)": lambda q, k, v, p: dpa(q, k, v, mask=p["mask"], implementation="xla"),

@@ -43,7 +43,7 @@ def run_bertforge(preset: str, batch: int, seq_len: int, steps: int, sparse: boo
     from bertforge.bench.flops import device_peak_flops, train_flops_per_token
     from bertforge.data.masking import MaskingSpec
     from bertforge.model.bert import build
-    from bertforge.model.presets import preset as get_preset
+    from bertforge.model.config import preset as get_preset
     from bertforge.train.optim import OptimConfig, make_optimizer
     from bertforge.train.step import StepConfig, TrainState, prediction_capacity, train_step
 
@@ -79,7 +79,7 @@ def run_torch(preset: str, batch: int, seq_len: int, steps: int, compiled: bool,
     from transformers import BertConfig, BertForMaskedLM
 
     from bertforge.bench.flops import measured_matmul_flops, train_flops_per_token
-    from bertforge.model.presets import preset as get_preset
+    from bertforge.model.config import preset as get_preset
 
     cfg = get_preset(preset, vocab_size=VOCAB)
     hf = BertConfig(

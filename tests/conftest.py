@@ -41,19 +41,19 @@ def corpus(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def wordpiece_dir(corpus, tmp_path_factory) -> Path:
-    from bertforge import tokenizer
+    from bertforge import tokenizer_train
 
     out = tmp_path_factory.mktemp("tok") / "wordpiece"
-    tokenizer.train([str(corpus)], "wordpiece", 700, out, lowercase=True)
+    tokenizer_train.train([str(corpus)], "wordpiece", 700, out, lowercase=True)
     return out
 
 
 @pytest.fixture(scope="session")
 def bpe_dir(corpus, tmp_path_factory) -> Path:
-    from bertforge import tokenizer
+    from bertforge import tokenizer_train
 
     out = tmp_path_factory.mktemp("tok") / "bpe"
-    tokenizer.train([str(corpus)], "bpe", 700, out)
+    tokenizer_train.train([str(corpus)], "bpe", 700, out)
     return out
 
 
@@ -61,8 +61,8 @@ def bpe_dir(corpus, tmp_path_factory) -> Path:
 def model_dir(wordpiece_dir, tmp_path_factory) -> Path:
     """The `test` preset, freshly initialised, without dropout, with the test tokenizer."""
     from bertforge.model.bert import build
+    from bertforge.model.config import preset
     from bertforge.model.hf import save_pretrained
-    from bertforge.model.presets import preset
     from bertforge.tokenizer import BertTokenizer
 
     tok = BertTokenizer.load(wordpiece_dir)

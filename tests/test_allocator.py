@@ -58,3 +58,12 @@ def test_the_command_runs_again_once_in_the_same_process_with_its_options():
         [sys.executable, "-c", script], env={**env, OPT_OUT: "system"}, capture_output=True, text=True, timeout=120
     )
     assert opted.returncode == 1 and len(opted.stdout.splitlines()) == 1  # no re-run, so no tunables to print
+
+
+def test_tuned_only_where_jax_runs_on_its_cpu_backend():
+    assert tuned_environment({}, "linux", accelerator=False) is not None
+    assert tuned_environment({}, "linux", accelerator=True) is None  # a GPU or TPU plugin: JAX prefers the device
+    assert tuned_environment({"JAX_PLATFORMS": "cuda"}, "linux", accelerator=True) is None
+    assert tuned_environment({"JAX_PLATFORMS": "tpu,cpu"}, "linux", accelerator=False) is None
+    # Asked for the CPU by name: tuned even where an accelerator is installed.
+    assert _tunables(tuned_environment({"JAX_PLATFORMS": "cpu"}, "linux", accelerator=True)) == TUNABLES

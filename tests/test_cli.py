@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 import csv
+import dataclasses
 import json
 import os
 import subprocess
 import sys
+import typing
 
 import numpy as np
 import pytest
@@ -23,7 +26,8 @@ from transformers import (
 )
 
 import bertforge
-from bertforge.cli import main
+from bertforge.cli import COMMANDS, build_parser, main, parse
+from bertforge.flags import OPTIONS
 
 
 def run_cli(capsys, *argv):
@@ -280,3 +284,149 @@ def test_shortened_demo_runs_end_to_end(wordpiece_dir, tmp_path, capsys):
         accuracy = np.mean([r["prediction"] == r["module"] for r in written])
         row = next(line for line in out.splitlines() if line.startswith(f"| {name} |"))
         assert row.split(" | ")[4] == f"{accuracy:.3f}", row
+
+
+# ---------------------------------------------------------------------------------------------------- flags
+def _subparsers(parser):
+    """{command name: its parser}, the `tokenizer train` kind included."""
+    found = {}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                inner = _subparsers(sub)
+                found.update({f"{name} {k}": v for k, v in inner.items()} if inner else {name: sub})
+    return found
+
+
+def _leaf_defaults(cls, default=dataclasses.MISSING, prefix=""):
+    """{dotted path: default} of every leaf field, a section's fields taking the section's default."""
+    hints = typing.get_type_hints(cls)
+    out = {}
+    for f in dataclasses.fields(cls):
+        if default is not dataclasses.MISSING:
+            value = getattr(default, f.name)
+        elif f.default_factory is not dataclasses.MISSING:
+            value = f.default_factory()
+        else:
+            value = f.default
+        tp = hints[f.name]
+        section = next((t for t in (tp, *typing.get_args(tp)) if dataclasses.is_dataclass(t)), None)
+        if section is not None:
+            out.update(_leaf_defaults(section, value, f"{prefix}{f.name}."))
+        else:
+            out[prefix + f.name] = value
+    return out
+
+
+def test_every_flag_default_is_its_config_fields_default():
+    parsers = _subparsers(build_parser())
+    assert set(parsers) == set(COMMANDS)
+    for name, sub in parsers.items():
+        command = COMMANDS[name]
+        defaults = _leaf_defaults(command.config_class())
+        reached = set()
+        for action in sub._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            flag = action.option_strings[0].lstrip("-") if action.option_strings else action.dest
+            if flag in command.options:  # the command's own options, from one shared table, are no config field
+                assert flag in OPTIONS and flag not in defaults, (name, flag)
+                continue
+            path = getattr(action, "path", None)
+            assert path in defaults, f"{name}: {action.option_strings} is no flag made from a config field"
+            reached.add(path)
+            if defaults[path] is dataclasses.MISSING:
+                assert action.required or not action.option_strings, (name, path)
+            else:
+                assert action.default == defaults[path], (name, action.option_strings, action.default, defaults[path])
+                assert not action.required, (name, path)
+        assert reached == set(defaults), f"{name}: fields without a flag: {set(defaults) - reached}"
+
+
+def test_aliases_set_their_fields():
+    cfg, args = parse(["finetune", "--out", "o", "--model", "m", "--data", "t.csv", "--valid-data", "v.csv",
+                       "--text-column", "a", "--text-pair-column", "b", "--target-column", "y1,y2", "--id-column", "i",
+                       "--group-column", "g", "--error-column", "e", "--task", "multilabel", "--folds", "3",
+                       "--fold", "0,2", "--max-length", "64", "--truncation", "tail", "--quoted-tsv"])  # fmt: skip
+    assert cfg.model == "m" and args.out == "o" and args.resume == "auto"
+    assert (
+        dataclasses.replace(
+            cfg.data,
+            train="t.csv",
+            valid="v.csv",
+            text_column="a",
+            text_pair_column="b",
+            target_columns=("y1", "y2"),
+            id_column="i",
+            group_column="g",
+            error_column="e",
+            max_length=64,
+            truncation="tail",
+            quoted_tsv=True,
+        )
+        == cfg.data
+    )
+    assert (cfg.head.task, cfg.folds.k, cfg.folds.run) == ("multilabel", 3, "0,2")
+    cfg, _ = parse(["pretrain", "--out", "r", "--data", "sh", "--tokenizer", "tok", "--train.max_steps=null"])
+    assert (cfg.data.shards, cfg.data.tokenizer, cfg.train.max_steps) == ("sh", "tok", None)
+    cfg, _ = parse(["plan", "--data", "sh", "--devices", "8", "--compile", "--mesh.fsdp=4"])
+    assert (cfg.shards, cfg.devices, cfg.compile, cfg.mesh.fsdp, cfg.data.shards) == ("sh", 8, True, 4, "")
+    cfg, _ = parse(["tokenizer", "train", "--files", "a", "b", "--out", "t", "--type", "bpe", "--max-length", "128"])
+    assert (cfg.files, cfg.kind, cfg.model_max_length, cfg.style) == (("a", "b"), "bpe", 128, None)
+
+
+def test_only_given_flags_override_the_yaml(tmp_path):
+    path = tmp_path / "ft.yaml"
+    path.write_text("data:\n  max_length: 128\n  text_column: excerpt\nfolds:\n  k: 3\n")
+    cfg, _ = parse(["finetune", "--config", str(path), "--out", "o", "--folds", "4"])
+    assert (cfg.data.max_length, cfg.data.text_column, cfg.folds.k) == (128, "excerpt", 4)
+    cfg, args = parse(["init", "--tokenizer", "t", "--out", "m", "--num_labels", "3", "--model.vocab_size=100"])
+    assert cfg.num_labels == 3 and args.config_data["model"] == {"vocab_size": 100}
+    cfg, _ = parse(["launch", "--num-processes", "3", "--", "pretrain", "--out", "r", "--train.max_steps=2"])
+    assert cfg.command == ("pretrain", "--out", "r", "--train.max_steps=2") and cfg.num_processes == 3
+
+
+def test_held_out_files_replace_the_held_out_share(monkeypatch, capsys):
+    from bertforge.data import preprocess
+
+    seen = []
+
+    def fake_main(cfg):
+        seen.append(cfg)
+        split = {"sequences": 0, "shards": []}
+        stats = {"seconds": 1.0, "peak_memory_mb": 1.0}
+        return {"splits": {"train": split, "valid": split}, "stats": stats, "text_tokens": 0, "seq_len": 16, "mode": ""}
+
+    monkeypatch.setattr(preprocess, "main", fake_main)
+    base = ["preprocess", "--tokenizer", "t", "--files", "a", "--out", "o"]
+    assert run_cli(capsys, *base, "--valid-fraction", "0.2")[0] == 0
+    assert run_cli(capsys, *base, "--valid-files", "v1", "v2")[0] == 0
+    assert [(c.valid_fraction, c.valid_files) for c in seen] == [(0.2, ()), (0.0, ("v1", "v2"))]
+
+
+def test_flag_mistakes_get_one_line_errors(capsys):
+    assert_one_line_error(*run_cli(capsys, "preprocess", "--tokenizer", "t", "--files", "a", "--out", "o", "--bogus"),
+                          "unrecognized arguments: --bogus")  # fmt: skip
+    assert_one_line_error(*run_cli(capsys, "pretrain", "--out", "r", "--bogus=1"), "unknown config key 'bogus'")
+    assert_one_line_error(*run_cli(capsys, "pretrain", "--out", "r", "--train.max_step=1"),
+                          "unknown config key 'train.max_step' (did you mean 'train.max_steps'?)")  # fmt: skip
+    assert_one_line_error(*run_cli(capsys, "finetune", "--out", "r", "--task", "lm"), "--task", "invalid choice")
+    assert_one_line_error(*run_cli(capsys, "export", "--step", "best"), "bertforge export", "RUN", "--out")
+    assert_one_line_error(*run_cli(capsys, "predict", "--model", "m", "--data", "d", "--out", "o", "--batch-size", "x"),
+                          "--batch-size", "invalid int value")  # fmt: skip
+    assert_one_line_error(*run_cli(capsys, "nonsense"), "invalid choice: 'nonsense'")
+
+
+@pytest.mark.parametrize("name", list(COMMANDS))
+def test_help_lists_every_flag_with_its_default(name, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main([*name.split(), "--help"])
+    assert exit_.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    sub = _subparsers(build_parser({name}))[name]
+    for action in sub._actions:
+        shown = action.option_strings[0] if action.option_strings else action.metavar
+        assert shown in out, (name, shown)
+        default = action.default
+        if getattr(action, "path", None) and not (default is None or default is False or default in ("", ())):
+            assert "default" in action.help, (name, shown, action.help)

@@ -7,10 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from bertforge.config import from_dict, load_config, parse_overrides
+from bertforge.config import from_dict, load_config, parse_overrides, parse_value
 from bertforge.errors import UserError
-from bertforge.model.bert import ModelConfig
-from bertforge.model.presets import PRESETS
+from bertforge.model.config import PRESETS, ModelConfig
 from bertforge.tasks.finetune import FinetuneConfig
 from bertforge.tasks.init import InitConfig
 from bertforge.tasks.pretrain import PretrainConfig
@@ -126,3 +125,12 @@ def test_a_section_given_in_part_keeps_the_stage_defaults(tmp_path):
     two = load_config(PretrainConfig, None, ["--model.num_layers=2"]).model
     assert two == dataclasses.replace(PRESETS["mini"], num_layers=2)
     assert load_config(PretrainConfig, None, ["--model.preset=small"]).model == PRESETS["small"]
+
+
+def test_override_values_are_yaml_scalars_and_text_otherwise():
+    raw = ("null", "true", "3", "0.5", "[a, b]", "", "head+tail", "a: [")
+    assert [parse_value(v) for v in raw] == [None, True, 3, 0.5, ["a", "b"], "", "head+tail", "a: ["]
+    assert parse_overrides(["--optim.clip_norm=null", "--data.target_columns", "[a, b]"]) == {
+        "optim": {"clip_norm": None},
+        "data": {"target_columns": ["a", "b"]},
+    }

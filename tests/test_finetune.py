@@ -19,8 +19,8 @@ from bertforge.cli import main as cli
 from bertforge.data.batching import bucket_length, epoch_batches
 from bertforge.data.folds import assign_folds, bin_targets, sturges_bins
 from bertforge.model.bert import build
+from bertforge.model.config import preset
 from bertforge.model.hf import load_pretrained, save_pretrained
-from bertforge.model.presets import preset
 from bertforge.parallel import make_mesh
 from bertforge.tokenizer import BertTokenizer
 from bertforge.train import metrics
@@ -100,14 +100,15 @@ def test_parquet_tables_and_error_weights(tmp_path):
     pa = pytest.importorskip("pyarrow")
     import pyarrow.parquet as pq
 
-    from bertforge.tasks.finetune import DataConfig, FinetuneConfig, read_table
+    from bertforge.data.labelled import DataConfig, read_table
+    from bertforge.tasks.finetune import FinetuneConfig
 
     errors = [0.5, 0.25, 0.0, 1.0]  # 0 marks an anchor row: it counts like the smallest error
     table = pa.table({"text": ["a b", "c d", "e", "f g h"], "target": [1.0, 2.0, 0.0, -1.0], "se": errors})
     path = tmp_path / "t.parquet"
     pq.write_table(table, path)
     cfg = FinetuneConfig(data=DataConfig(train=str(path), error_column="se"))
-    got = read_table(cfg, str(path))
+    got = read_table(str(path), cfg.data, cfg.head.task)
     assert got.texts == ["a b", "c d", "e", "f g h"] and got.targets[:, 0].tolist() == [1.0, 2.0, 0.0, -1.0]
     inverse = 1 / np.array([0.5, 0.25, 0.25, 1.0]) ** 2
     np.testing.assert_allclose(got.weights, inverse / inverse.mean(), rtol=1e-6)

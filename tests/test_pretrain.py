@@ -18,9 +18,8 @@ from flax import nnx
 from bertforge import version
 from bertforge.cli import main as cli
 from bertforge.config import from_dict
+from bertforge.runs import RunLock, load_run
 from bertforge.tasks import pretrain
-from bertforge.tasks.export import load_run
-from bertforge.train.checkpoint import RunLock
 from bertforge.train.logging import read_metrics
 from bertforge.train.optim import OptimConfig, decay_mask, learning_rate
 
@@ -103,7 +102,15 @@ def test_out_of_memory_at_the_first_step_names_the_knobs():
 
     with pytest.raises(UserError, match=r"out of device memory at the first step: lower train.global_batch, raise "
                                         r"train.grad_accum, shard parameters with mesh.fsdp"):  # fmt: skip
-        loop.run(None, exhausted, lambda: None, lambda p: 1.0, loop.Budget(max_steps=3), 0, [], lambda s, m: None, 1)
+        loop.run(
+            None,
+            exhausted,
+            next_batch=lambda: None,
+            lr_at=lambda p: 1.0,
+            budget=loop.Budget(max_steps=3),
+            log=lambda s, m: None,
+            log_every=1,
+        )
 
 
 def test_with_a_shared_clock_a_time_budget_ends_alike_whatever_the_local_clock():
@@ -122,7 +129,14 @@ def test_with_a_shared_clock_a_time_budget_ends_alike_whatever_the_local_clock()
         budget = loop.Budget(seconds=4.5)
         clock = lambda local: float(next(shared))  # noqa: E731
         _, step, _ = loop.run(
-            None, step_fn, lambda: None, lambda p: p, budget, 0, [], lambda s, m: None, 3, clock=clock
+            None,
+            step_fn,
+            next_batch=lambda: None,
+            lr_at=lambda p: p,
+            budget=budget,
+            log=lambda s, m: None,
+            log_every=3,
+            clock=clock,
         )
         return step, rates
 
@@ -244,7 +258,7 @@ def test_schedules_in_closed_form():
 
 def test_weight_decay_skips_biases_and_layernorm():
     from bertforge.model.bert import build
-    from bertforge.model.presets import preset
+    from bertforge.model.config import preset
 
     model = build(preset("test"), "mlm")
     mask = nnx.to_pure_dict(decay_mask(nnx.state(model, nnx.Param)))
@@ -257,7 +271,7 @@ def test_weight_decay_skips_biases_and_layernorm():
 
 def test_adamw_decays_matrices_only():
     from bertforge.model.bert import build
-    from bertforge.model.presets import preset
+    from bertforge.model.config import preset
     from bertforge.train.optim import make_optimizer, set_learning_rate
 
     params = nnx.state(build(preset("test"), "mlm"), nnx.Param)

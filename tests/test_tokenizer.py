@@ -6,7 +6,7 @@ import fsspec
 import pytest
 from transformers import AutoTokenizer
 
-from bertforge import tokenizer
+from bertforge import tokenizer_train
 from bertforge.errors import UserError
 from bertforge.tokenizer import BertTokenizer, truncate
 
@@ -18,7 +18,7 @@ def lines_of(path, n=1000):
 @pytest.mark.parametrize("kind", ["wordpiece", "unigram", "bpe"])
 def test_trained_tokenizer_loads_in_transformers_with_the_same_ids(kind, corpus, tmp_path):
     out = tmp_path / kind
-    ours = tokenizer.train([str(corpus)], kind, 600, out, lowercase=(kind != "bpe"))
+    ours = tokenizer_train.train([str(corpus)], kind, 600, out, lowercase=(kind != "bpe"))
     assert ours.vocab_size <= 600
     theirs = AutoTokenizer.from_pretrained(out)
     lines = lines_of(corpus)
@@ -42,7 +42,7 @@ def test_wordpiece_training_gives_the_same_tokenizer_every_time(corpus, tmp_path
     # The generated corpus has many equally frequent merges: the trainer's own hash order picks among them.
     files = [(tmp_path / f"run{i}" / "tokenizer.json") for i in range(4)]
     for f in files:
-        trained = tokenizer.train([str(corpus)], "wordpiece", 700, f.parent, lowercase=True)
+        trained = tokenizer_train.train([str(corpus)], "wordpiece", 700, f.parent, lowercase=True)
     assert len({f.read_bytes() for f in files}) == 1
     # The pinned '##' pieces are ordinary vocabulary again: not added tokens, and matched only inside words.
     assert all(not t.content.startswith("##") for t in trained.tok.get_added_tokens_decoder().values())
@@ -92,7 +92,7 @@ def test_training_reads_fsspec_urls(tmp_path):
     fs = fsspec.filesystem("memory")
     fs.pipe("/corpus/a.txt", ("zebra quokka " * 50 + "\n").encode() * 20)
     fs.pipe("/corpus/b.txt", ("narwhal axolotl " * 50 + "\n").encode() * 20)
-    trained = tokenizer.train(["memory:///corpus/*.txt"], "wordpiece", 120, tmp_path / "out", lowercase=True)
+    trained = tokenizer_train.train(["memory:///corpus/*.txt"], "wordpiece", 120, tmp_path / "out", lowercase=True)
     vocab = trained.tok.get_vocab()
     assert {"zebra", "quokka", "narwhal", "axolotl"} <= set(vocab)
 
@@ -101,7 +101,7 @@ def test_empty_corpus_is_refused_and_nothing_written(tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_text("\n   \n\n")
     with pytest.raises(UserError, match=r"empty.txt: no text in this file"):
-        tokenizer.train([str(empty)], "wordpiece", 100, tmp_path / "out")
+        tokenizer_train.train([str(empty)], "wordpiece", 100, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
 
@@ -109,15 +109,15 @@ def test_non_utf8_corpus_names_file_and_line(tmp_path):
     bad = tmp_path / "latin1.txt"
     bad.write_bytes("first line\ncaf\xe9 au lait\n".encode("latin-1"))
     with pytest.raises(UserError, match=r"latin1.txt: line 2 is not UTF-8 text"):
-        tokenizer.train([str(bad)], "wordpiece", 100, tmp_path / "out")
+        tokenizer_train.train([str(bad)], "wordpiece", 100, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
 
 def test_missing_file_and_empty_glob_are_named(tmp_path):
     with pytest.raises(UserError, match=r"nope.txt: no such file"):
-        tokenizer.train([str(tmp_path / "nope.txt")], "wordpiece", 100, tmp_path / "out")
+        tokenizer_train.train([str(tmp_path / "nope.txt")], "wordpiece", 100, tmp_path / "out")
     with pytest.raises(UserError, match=r"\*.txt: no file matches"):
-        tokenizer.train([str(tmp_path / "*.txt")], "wordpiece", 100, tmp_path / "out")
+        tokenizer_train.train([str(tmp_path / "*.txt")], "wordpiece", 100, tmp_path / "out")
 
 
 def test_tokenizer_json_that_is_not_json(tmp_path):

@@ -31,7 +31,7 @@ def version() -> str:
 
 # Imported on first use, so that `bertforge --help` does not wait for JAX.
 _API = {
-    "load": ("bertforge.model.hf", "load_pretrained"),
+    "load": ("bertforge.runs", "load_model"),
     "save": ("bertforge.model.hf", "save_pretrained"),
     "train_tokenizer": ("bertforge.tokenizer", "train"),
     "load_tokenizer": ("bertforge.tokenizer", "BertTokenizer.load"),

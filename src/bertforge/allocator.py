@@ -7,11 +7,15 @@ time per 0.96 s step. Keeping freed memory in the process (higher mmap and trim 
 transparent huge pages (`glibc.malloc.hugetlb=1`) brings that to about 1,000 faults and the step to 0.73 s. PyTorch
 keeps the same step time either way. glibc reads these tunables only when a process starts, hence the re-run.
 
+They are applied only when JAX will run on its CPU backend: that is where they were measured. On a GPU or TPU host
+the same process drives the accelerator, and the host allocator there was not measured, so it is left alone.
+
 `BERTFORGE_ALLOCATOR=system` keeps the allocator as it is; tunables the user already set in GLIBC_TUNABLES win.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from collections.abc import Mapping
@@ -22,6 +26,21 @@ TUNABLES = {
     "glibc.malloc.trim_threshold": str(4 * 2**30),  # keep freed heap memory for the next step
 }
 OPT_OUT = "BERTFORGE_ALLOCATOR"
+# The packages through which JAX drives a GPU or a TPU; with one installed, JAX prefers that device to the CPU.
+ACCELERATOR_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin", "jax_rocm7_plugin", "libtpu")
+
+
+def accelerator_installed() -> bool:
+    return any(importlib.util.find_spec(name) is not None for name in ACCELERATOR_PLUGINS)
+
+
+def runs_on_cpu(environ: Mapping[str, str], accelerator: bool | None = None) -> bool:
+    """Whether JAX will compute on its CPU backend: JAX_PLATFORMS names cpu first, or it is unset and no
+    accelerator plugin is installed (`accelerator`: whether one is; looked up when None)."""
+    platforms = [p.strip() for p in environ.get("JAX_PLATFORMS", "").split(",") if p.strip()]
+    if platforms:
+        return platforms[0] == "cpu"
+    return not (accelerator_installed() if accelerator is None else accelerator)
 
 
 def _parse(tunables: str) -> dict[str, str]:
@@ -29,12 +48,16 @@ def _parse(tunables: str) -> dict[str, str]:
     return {name: value for name, _, value in pairs}
 
 
-def tuned_environment(environ: Mapping[str, str], platform: str = sys.platform) -> dict[str, str] | None:
+def tuned_environment(
+    environ: Mapping[str, str], platform: str = sys.platform, accelerator: bool | None = None
+) -> dict[str, str] | None:
     """The environment to run the command again with, or None to go on as is.
 
-    None when not on Linux, when opted out, or when every tunable is already set (by the user, or by the re-run
-    itself, which is what stops it from running again)."""
+    None when not on Linux, when opted out, when JAX will not run on its CPU (see runs_on_cpu), or when every
+    tunable is already set (by the user, or by the re-run itself, which is what stops it from running again)."""
     if not platform.startswith("linux") or environ.get(OPT_OUT, "").lower() == "system":
+        return None
+    if not runs_on_cpu(environ, accelerator):
         return None
     current = _parse(environ.get("GLIBC_TUNABLES", ""))
     missing = {k: v for k, v in TUNABLES.items() if k not in current}

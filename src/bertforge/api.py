@@ -10,14 +10,15 @@ from typing import Any
 
 import numpy as np
 
-from bertforge.model.hf import Pretrained, load_pretrained
+from bertforge import runs
+from bertforge.model.hf import Pretrained
 from bertforge.tasks import infer
 
 
 def _loaded(model: str | os.PathLike | Pretrained, head: str) -> Pretrained:
     if isinstance(model, Pretrained):
         return model
-    return load_pretrained(model, head=head, require_head=True)
+    return runs.load_model(model, head=head, require_head=True)
 
 
 def _config(cls: type, cfg: Any, overrides: Mapping[str, Any]) -> Any:
@@ -53,19 +54,17 @@ def predict(
     if isinstance(model, Pretrained):
         models, settings = [model], {}
     else:
-        models, settings = infer.load_models(str(model))
+        models, settings = runs.load_models(str(model))
     return infer.run_outputs(models, settings, list(texts), pairs, batch_size, max_length, truncation)
 
 
 def labels(model: str | os.PathLike | Pretrained) -> list[str]:
     """The names of predict's output columns: class names, or target names for regression."""
     if not isinstance(model, Pretrained):
-        from bertforge.tasks.finetune import fold_models
-
-        found = fold_models(str(model))
+        found = runs.fold_models(str(model))
         if found is not None:
             return list(found[1]["labels"])
-        model = load_pretrained(model, head="sequence", require_head=True)
+        model = runs.load_model(model, head="sequence", require_head=True)
     return [model.id2label.get(i, str(i)) for i in range(model.model.num_labels)]
 
 

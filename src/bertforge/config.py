@@ -31,6 +31,14 @@ def _type_name(tp: Any) -> str:
     return str(tp).replace("typing.", "")
 
 
+# Types taken as they are once checked: (check, what the error says was expected). A bool is not an integer here.
+_PLAIN: dict[type, tuple[Any, str]] = {
+    bool: (lambda v: isinstance(v, bool), "true or false"),
+    int: (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
+    str: (lambda v: isinstance(v, str), "a string"),
+}
+
+
 def _coerce(tp: Any, value: Any, key: str) -> Any:
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
@@ -65,13 +73,10 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
         if not isinstance(value, Mapping):
             raise UserError(f"config key '{key}': expected a mapping, got {value!r}")
         return dict(value)
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise UserError(f"config key '{key}': expected true or false, got {value!r}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise UserError(f"config key '{key}': expected an integer, got {value!r}")
+    if tp in _PLAIN:
+        accepts, expected = _PLAIN[tp]
+        if not accepts(value):
+            raise UserError(f"config key '{key}': expected {expected}, got {value!r}")
         return value
     if tp is float:
         if isinstance(value, str):
@@ -83,10 +88,6 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise UserError(f"config key '{key}': expected a number, got {value!r}")
         return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise UserError(f"config key '{key}': expected a string, got {value!r}")
-        return value
     raise TypeError(f"config type {tp!r} of '{key}' is not supported")  # a programming error, not a user's
 
 
@@ -148,6 +149,16 @@ def to_dict(cfg: Any) -> dict[str, Any]:
     return plain(dataclasses.asdict(cfg))
 
 
+def parse_value(raw: str) -> Any:
+    """An override's value as a YAML scalar (`null`, `true`, `[a, b]`, `3e-4`); text that is not YAML stays text."""
+    if raw == "":
+        return ""
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError:
+        return raw
+
+
 def parse_overrides(args: Sequence[str]) -> dict[str, Any]:
     """`--a.b=1 --c x` -> {'a': {'b': 1}, 'c': 'x'}; values are parsed as YAML scalars."""
     out: dict[str, Any] = {}
@@ -165,10 +176,7 @@ def parse_overrides(args: Sequence[str]) -> dict[str, Any]:
             i += 1
         else:
             raise UserError(f"override '{arg}' has no value (write --{body}=VALUE)")
-        try:
-            value = yaml.safe_load(raw) if raw != "" else ""
-        except yaml.YAMLError:
-            value = raw
+        value = parse_value(raw)
         node = out
         parts = key.split(".")
         for part in parts[:-1]:

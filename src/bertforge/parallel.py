@@ -6,6 +6,7 @@ over. Data parallel is ('data',); FSDP shards parameters over 'fsdp'; 'tensor' i
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -13,6 +14,8 @@ import jax
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from bertforge.errors import UserError
 
 MESH_AXES = ("data", "fsdp", "tensor")
 
@@ -50,6 +53,46 @@ def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices=None) -> M
     devices = list(jax.devices() if devices is None else devices)
     sizes = list(mesh_shape(data, fsdp, tensor, len(devices)).values())
     return Mesh(np.array(devices).reshape(sizes), MESH_AXES)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+    num_devices: int = 0  # 0: every device of every host
+
+
+def build_mesh(cfg: MeshConfig, global_batch: int, grad_accum: int, batch_key: str) -> Mesh:
+    """The device mesh of `cfg`; the micro-batch (global_batch / grad_accum) must split over its batch shards."""
+    devices = jax.devices()
+    if cfg.num_devices:
+        if cfg.num_devices > len(devices):
+            raise UserError(f"mesh.num_devices={cfg.num_devices} but there are {len(devices)} devices")
+        devices = devices[: cfg.num_devices]
+    try:
+        mesh = make_mesh(cfg.data, cfg.fsdp, cfg.tensor, devices)
+    except ValueError as e:
+        raise UserError(f"config 'mesh': {e}") from None
+    check_batch_split(dict(mesh.shape), global_batch, grad_accum, batch_key)
+    return mesh
+
+
+def check_batch_split(shape: dict[str, int], global_batch: int, grad_accum: int, batch_key: str) -> None:
+    """Refuse a micro-batch (global_batch / grad_accum) that does not split over the mesh's batch shards."""
+    shards = shape["data"] * shape["fsdp"]
+    micro = global_batch // grad_accum
+    if micro % shards:
+        raise UserError(
+            f"{batch_key}={global_batch} with grad_accum={grad_accum} gives micro-batches of {micro}, which do not "
+            f"split over {shards} devices (mesh data x fsdp); use {batch_key} "
+            f"{_suggest_batches(global_batch, shards * grad_accum)}"
+        )
+
+
+def _suggest_batches(batch: int, multiple: int) -> str:
+    lower = max(multiple, batch // multiple * multiple)
+    return f"{lower} or {lower + multiple}"
 
 
 def logical_to_mesh(axes: tuple[str | None, ...]) -> PartitionSpec:

@@ -6,22 +6,31 @@ loss and the validation metric of every fold against steps, and out-of-fold pred
 
 from __future__ import annotations
 
-import csv
-import json
+import dataclasses
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from bertforge import runs
 from bertforge.errors import UserError
-from bertforge.train.logging import read_metrics
+from bertforge.train.logging import METRICS, read_metrics
+
+
+@dataclasses.dataclass(frozen=True)
+class PlotConfig:
+    run: str  # run folder
+    out: str = ""  # PNG to write (default: RUN/curves.png)
+
+
+def main(cfg: PlotConfig) -> Path:
+    return plot_run(cfg.run, cfg.out or None)
 
 
 def plot_run(run: str | Path, out: str | Path | None = None) -> Path:
     """Draw RUN's curves into `out` (default RUN/curves.png); a fine-tuning run gets plot_finetune's figure."""
     run = Path(run)
-    info = run / "run.json"
-    if info.exists() and json.loads(info.read_text()).get("kind") == "finetune":
+    if runs.kind(run) == "finetune":
         return plot_finetune(run, out)
     records = read_metrics(run)
     if not records:
@@ -81,17 +90,12 @@ def pretrain_figure(name: str, records: list[dict[str, Any]]) -> Any:
 
 def plot_finetune(run: Path, out: str | Path | None = None) -> Path:
     """A fine-tuning run: each fold's training loss and validation metric, and out-of-fold predictions."""
-    folds = sorted(run.glob("fold-*/metrics.jsonl"), key=lambda p: int(p.parent.name.split("-")[1]))
+    folds = [d for d in runs.fold_dirs(run) if (d / METRICS).exists()]
     if not folds:
         raise UserError(f"{run}: no fold has logged a step yet")
-    summary = json.loads((run / "summary.json").read_text()) if (run / "summary.json").exists() else None
-    oof: list[dict[str, str]] = []
-    if (run / "oof.csv").exists():
-        with open(run / "oof.csv", newline="", encoding="utf-8") as fh:
-            oof = list(csv.DictReader(fh))
-    curves = {p.parent.name: read_metrics(p.parent) for p in folds}
+    curves = {d.name: read_metrics(d) for d in folds}
     plt = _pyplot()
-    fig = finetune_figure(run.name, curves, summary, oof)
+    fig = finetune_figure(run.name, curves, runs.read_summary(run), runs.read_oof(run))
     path = Path(out) if out else run / "curves.png"
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -13,7 +13,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from bertforge.model.bert import ModelConfig
+from bertforge.model.config import ModelConfig
 
 # Dense bf16 peak FLOP/s per device (chip for TPUs; TPU v2/v3 count one chip = 2 cores).
 PEAK_FLOPS = {

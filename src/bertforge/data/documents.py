@@ -9,12 +9,14 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator, Sequence
+from typing import Literal, get_args
 
 import fsspec
 
 from bertforge.errors import UserError
 
-INPUT_FORMATS = ("auto", "text", "jsonl", "parquet")
+InputFormat = Literal["auto", "text", "jsonl", "parquet"]
+INPUT_FORMATS: tuple[str, ...] = get_args(InputFormat)
 
 # A sentence ends at . ! or ? followed by space and an upper-case letter, digit or opening quote/bracket.
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[\"'(\[]?[A-Z0-9])")

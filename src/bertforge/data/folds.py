@@ -1,10 +1,27 @@
-"""k-fold assignment: stratified by class or by binned regression target, or grouped, always seeded."""
+"""k-fold assignment: stratified by class or by binned regression target, or grouped, always seeded; and the fold
+plan of a fine-tuning table."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
+
+from bertforge.data.labelled import Table
+from bertforge.errors import UserError
+
+
+@dataclasses.dataclass(frozen=True)
+class FoldsConfig:
+    k: int = 5  # number of folds
+    run: str = "all"  # 'all', or fold numbers such as '0' or '0,2'
+    seed: int = 42
+    bins: int = 0  # bins of a regression target for stratification; 0: Sturges' rule
+
+    def __post_init__(self) -> None:
+        if self.k < 2:
+            raise ValueError(f"k must be at least 2, got {self.k}")
 
 
 def sturges_bins(n: int) -> int:
@@ -54,3 +71,46 @@ def assign_folds(
         folds[rows] = (position + np.arange(len(rows))) % k
         position += len(rows)
     return folds
+
+
+def fold_plan(cfg: FoldsConfig, table: Table, task: str) -> np.ndarray:
+    """(N,) fold of every row, stratified on the class or the binned target, or grouped."""
+    n, k = len(table), cfg.k
+    if n < k:
+        raise UserError(f"{table.path}: {n} rows cannot make {k} folds (folds.k)")
+    strata = None
+    if task == "classification":
+        strata = table.targets
+    elif task == "regression":
+        strata = bin_targets(table.targets[:, 0], cfg.bins or sturges_bins(n))
+    try:
+        return assign_folds(n, k, cfg.seed, strata, None if table.groups is None else np.array(table.groups))
+    except ValueError as e:
+        raise UserError(f"{table.path}: {e}") from None
+
+
+def folds_to_run(cfg: FoldsConfig) -> list[int]:
+    """The fold numbers `cfg.run` names."""
+    if cfg.run == "all":
+        return list(range(cfg.k))
+    try:
+        chosen = sorted({int(x) for x in cfg.run.split(",")})
+    except ValueError:
+        chosen = []
+    if not chosen or not all(0 <= f < cfg.k for f in chosen):
+        raise UserError(f"folds.run={cfg.run!r}: give 'all' or fold numbers from 0 to {cfg.k - 1}")
+    return chosen
+
+
+def check_classes(table: Table, folds: np.ndarray, run: list[int]) -> None:
+    """Refuse a fold whose validation rows hold a class its training rows lack: the head could never predict it."""
+    if table.labels is None:
+        return
+    for f in run:
+        seen = set(table.targets[folds != f].tolist())
+        for i in np.flatnonzero(folds == f):
+            if int(table.targets[i]) not in seen:
+                raise UserError(
+                    f"{table.path}: row {i + 1}: class '{table.labels[i]}' is in the validation rows of fold {f} "
+                    f"but never in its training rows; give it more rows or fewer folds (folds.k)"
+                )

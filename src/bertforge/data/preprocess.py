@@ -26,17 +26,17 @@ import time
 import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 import fsspec
 import numpy as np
 from tqdm.auto import tqdm
 
-from bertforge.data.documents import expand_files, iter_documents, split_sentences
+from bertforge.data.documents import InputFormat, expand_files, iter_documents, split_sentences
 from bertforge.errors import UserError
 from bertforge.tokenizer import BertTokenizer
 
-MODES = ("concat", "complete", "doc")
+Mode = Literal["concat", "complete", "doc"]
 MANIFEST = "manifest.json"
 TOKENIZER_DIR = "tokenizer"  # the shards' own copy of their tokenizer, named in the manifest relative to the folder
 FORMAT = "bertforge-shards/1"
@@ -45,23 +45,23 @@ CHUNK_DOCS = 512  # documents per unit of work sent to a worker
 
 @dataclasses.dataclass(frozen=True)
 class PreprocessConfig:
-    tokenizer: str
-    files: tuple[str, ...]
-    out: str
+    tokenizer: str  # tokenizer folder
+    files: tuple[str, ...]  # text, JSONL or Parquet: paths, globs, fsspec URLs
+    out: str  # folder or fsspec URL for the shards and manifest.json
     seq_len: int = 128
-    mode: str = "concat"
-    workers: int = 1
-    valid_fraction: float = 0.01
-    valid_files: tuple[str, ...] = ()
+    mode: Mode = "concat"  # concat: cut the joined text; complete: whole sentences; doc: sentences of one document
+    workers: int = 1  # tokenizer processes
+    valid_fraction: float = 0.01  # share of documents held out
+    valid_files: tuple[str, ...] = ()  # held-out files instead of a share of the documents
     shard_size: int = 65536  # sequences per shard
-    input_format: str = "auto"
-    doc_per_line: bool = False
-    text_field: str = "text"
-    seed: int = 0  # decides which documents go to validation
+    input_format: InputFormat = "auto"
+    doc_per_line: bool = False  # text: one document per line, not per blank-line block
+    text_field: str = "text"  # JSONL field or Parquet column holding the text
+    seed: int = 0  # decides which documents are held out
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"mode {self.mode!r} is not one of {', '.join(MODES)}")
+        if self.mode not in get_args(Mode):
+            raise ValueError(f"mode {self.mode!r} is not one of {', '.join(get_args(Mode))}")
         if self.seq_len < 8:
             raise ValueError(f"seq_len must be at least 8, got {self.seq_len}")
         if self.workers < 1:

@@ -1,7 +1,8 @@
 """Hugging Face folders in and out: config.json, safetensors weights, tokenizer files.
 
-One explicit table maps each Hugging Face parameter name to a path in the NNX parameter tree, with a shape
-check on every tensor. Weights are read from safetensors only: pickled PyTorch files are refused, never opened.
+Each architecture's key table (bert.key_table) maps every Hugging Face parameter name to a path in the NNX
+parameter tree, with a shape check on every tensor. Weights are read from safetensors only: pickled PyTorch files
+are refused, never opened.
 """
 
 from __future__ import annotations
@@ -16,217 +17,21 @@ from typing import Any
 
 import numpy as np
 from flax import nnx
+from flax.traverse_util import flatten_dict, unflatten_dict
 from safetensors import safe_open
 from safetensors.numpy import save as safetensors_bytes
 
 from bertforge.errors import UserError
 from bertforge.fileio import read_json_object, temp_folder_beside, write_atomic
-from bertforge.model.bert import ACTIVATIONS, MaskedLM, ModelConfig, SequenceClassifier, build
+from bertforge.model.bert import MaskedLM, SequenceClassifier, build, key_table
+from bertforge.model.config import ModelConfig, config_from_hf, config_to_hf
 from bertforge.tokenizer import BertTokenizer
 
-# model_type -> flavor; XLM-R and CamemBERT are RoBERTa's architecture with other vocabularies.
-MODEL_TYPES = {"bert": "bert", "roberta": "roberta", "xlm-roberta": "roberta", "camembert": "roberta"}
 PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
 HEADS = ("mlm", "sequence")
 
-Path_ = tuple[Any, ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class Row:
-    hf: str  # Hugging Face parameter name
-    path: Path_  # path in nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    transpose: bool  # torch Linear stores (out, in); Flax kernels are (in, out)
-    head: bool  # part of a task head, may be absent from an encoder-only checkpoint
-
-
-def _linear(hf: str, path: Path_, head: bool = False) -> list[Row]:
-    return [
-        Row(f"{hf}.weight", (*path, "kernel"), True, head),
-        Row(f"{hf}.bias", (*path, "bias"), False, head),
-    ]
-
-
-def _layernorm(hf: str, path: Path_, head: bool = False) -> list[Row]:
-    return [
-        Row(f"{hf}.weight", (*path, "scale"), False, head),
-        Row(f"{hf}.bias", (*path, "bias"), False, head),
-    ]
-
-
-def key_table(cfg: ModelConfig, head: str) -> list[Row]:
-    """Every parameter of a bertforge model of `head` ('mlm' or 'sequence') with its Hugging Face name."""
-    p = cfg.flavor  # "bert." or "roberta." prefix of the encoder in *For* models
-    enc = ("encoder",)
-    rows = [
-        Row(f"{p}.embeddings.word_embeddings.weight", (*enc, "embeddings", "word", "embedding"), False, False),
-        Row(
-            f"{p}.embeddings.position_embeddings.weight",
-            (*enc, "embeddings", "position", "embedding"),
-            False,
-            False,
-        ),
-        Row(
-            f"{p}.embeddings.token_type_embeddings.weight",
-            (*enc, "embeddings", "token_type", "embedding"),
-            False,
-            False,
-        ),
-        *_layernorm(f"{p}.embeddings.LayerNorm", (*enc, "embeddings", "norm")),
-    ]
-    for i in range(cfg.num_layers):
-        hf, ours = f"{p}.encoder.layer.{i}", (*enc, "layers", i)
-        rows += _linear(f"{hf}.attention.self.query", (*ours, "query"))
-        rows += _linear(f"{hf}.attention.self.key", (*ours, "key"))
-        rows += _linear(f"{hf}.attention.self.value", (*ours, "value"))
-        rows += _linear(f"{hf}.attention.output.dense", (*ours, "attn_out"))
-        rows += _layernorm(f"{hf}.attention.output.LayerNorm", (*ours, "attn_norm"))
-        rows += _linear(f"{hf}.intermediate.dense", (*ours, "mlp_in"))
-        rows += _linear(f"{hf}.output.dense", (*ours, "mlp_out"))
-        rows += _layernorm(f"{hf}.output.LayerNorm", (*ours, "mlp_norm"))
-    if head == "mlm" and cfg.flavor == "bert":
-        rows += _linear("cls.predictions.transform.dense", ("mlm", "dense"), True)
-        rows += _layernorm("cls.predictions.transform.LayerNorm", ("mlm", "norm"), True)
-        rows += [Row("cls.predictions.bias", ("mlm", "bias"), False, True)]
-    elif head == "mlm":
-        rows += _linear("lm_head.dense", ("mlm", "dense"), True)
-        rows += _layernorm("lm_head.layer_norm", ("mlm", "norm"), True)
-        rows += [Row("lm_head.bias", ("mlm", "bias"), False, True)]
-    elif head == "sequence" and cfg.flavor == "bert":
-        rows += _linear("bert.pooler.dense", ("head", "dense"), True)
-        rows += _linear("classifier", ("head", "out"), True)
-    elif head == "sequence":
-        rows += _linear("classifier.dense", ("head", "dense"), True)
-        rows += _linear("classifier.out_proj", ("head", "out"), True)
-    else:
-        raise ValueError(f"unknown head {head!r}")
-    if head == "sequence" and cfg.pooling == "attention":
-        # Not a transformers parameter: a bertforge folder with attention pooling is read back by bertforge.
-        rows += [Row("bertforge_pooling.score", ("head", "score"), False, True)]
-    return rows
-
-
-# ------------------------------------------------------------------------------------------------------ config.json
-@dataclasses.dataclass(frozen=True)
-class HeadInfo:
-    head: str | None  # 'mlm', 'sequence' or None (a bare encoder such as BertModel)
-    num_labels: int
-    id2label: dict[int, str]
-    problem_type: str | None
-
-
-def config_from_hf(data: dict[str, Any], source: str) -> tuple[ModelConfig, HeadInfo]:
-    """A Hugging Face config.json (as a dict) -> ModelConfig and what it says of the head."""
-    model_type = data.get("model_type")
-    if model_type not in MODEL_TYPES:
-        arch = ", ".join(data.get("architectures") or []) or "none given"
-        raise UserError(
-            f"{source}: unsupported architecture model_type={model_type!r} (architectures: {arch}); "
-            f"bertforge loads {', '.join(MODEL_TYPES)}"
-        )
-    pos = data.get("position_embedding_type", "absolute")
-    if pos != "absolute":
-        raise UserError(f"{source}: position_embedding_type={pos!r} is not supported (only 'absolute')")
-    act = data.get("hidden_act", "gelu")
-    if act not in ACTIVATIONS:
-        raise UserError(f"{source}: hidden_act={act!r} is not supported ({', '.join(ACTIVATIONS)})")
-    flavor = MODEL_TYPES[model_type]
-    fields = {
-        "vocab_size": "vocab_size",
-        "hidden_size": "hidden_size",
-        "num_layers": "num_hidden_layers",
-        "num_heads": "num_attention_heads",
-        "intermediate_size": "intermediate_size",
-        "max_position_embeddings": "max_position_embeddings",
-        "type_vocab_size": "type_vocab_size",
-        "layer_norm_eps": "layer_norm_eps",
-        "hidden_dropout": "hidden_dropout_prob",
-        "attention_dropout": "attention_probs_dropout_prob",
-        "classifier_dropout": "classifier_dropout",
-        "initializer_range": "initializer_range",
-        "pad_token_id": "pad_token_id",
-    }
-    kwargs: dict[str, Any] = {"flavor": flavor, "hidden_act": act, "pooling": data.get("bertforge_pooling", "cls")}
-    for ours, theirs in fields.items():
-        if theirs in data and (data[theirs] is not None or ours == "classifier_dropout"):
-            kwargs[ours] = data[theirs]
-    if flavor == "roberta" and "pad_token_id" not in data:
-        kwargs["pad_token_id"] = 1
-    try:
-        cfg = ModelConfig(**kwargs)
-    except (TypeError, ValueError) as e:
-        raise UserError(f"{source}: {e}") from None
-    archs = data.get("architectures") or []
-    head = None
-    if any(a.endswith("ForMaskedLM") or a.endswith("ForPreTraining") for a in archs):
-        head = "mlm"
-    elif any(a.endswith("ForSequenceClassification") for a in archs):
-        head = "sequence"
-    id2label = {int(k): str(v) for k, v in (data.get("id2label") or {}).items()}
-    num_labels = int(data.get("num_labels") or len(id2label) or 2)
-    if not id2label:
-        id2label = {i: f"LABEL_{i}" for i in range(num_labels)}
-    return cfg, HeadInfo(head, len(id2label), id2label, data.get("problem_type"))
-
-
-def config_to_hf(cfg: ModelConfig, head: str, id2label: dict[int, str] | None = None) -> dict[str, Any]:
-    prefix = "Roberta" if cfg.flavor == "roberta" else "Bert"
-    arch = f"{prefix}ForMaskedLM" if head == "mlm" else f"{prefix}ForSequenceClassification"
-    out: dict[str, Any] = {
-        "architectures": [arch],
-        "model_type": cfg.flavor,
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.hidden_size,
-        "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_heads,
-        "intermediate_size": cfg.intermediate_size,
-        "hidden_act": cfg.hidden_act,
-        "hidden_dropout_prob": cfg.hidden_dropout,
-        "attention_probs_dropout_prob": cfg.attention_dropout,
-        "classifier_dropout": cfg.classifier_dropout,
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "type_vocab_size": cfg.type_vocab_size,
-        "initializer_range": cfg.initializer_range,
-        "layer_norm_eps": cfg.layer_norm_eps,
-        "pad_token_id": cfg.pad_token_id,
-        "position_embedding_type": "absolute",
-        "tie_word_embeddings": True,
-        "dtype": "float32",
-    }
-    if cfg.flavor == "roberta":
-        out.update(bos_token_id=0, eos_token_id=2)
-    if head == "sequence":
-        labels = id2label or {0: "LABEL_0"}
-        out["id2label"] = {str(k): v for k, v in sorted(labels.items())}
-        out["label2id"] = {v: k for k, v in sorted(labels.items())}
-        if len(labels) == 1:
-            out["problem_type"] = "regression"
-        if cfg.pooling != "cls":
-            out["bertforge_pooling"] = cfg.pooling  # transformers' own heads always pool [CLS]
-    return out
-
 
 # ------------------------------------------------------------------------------------------------------ weights
-def _flatten(tree: dict, prefix: Path_ = ()) -> dict[Path_, Any]:
-    out: dict[Path_, Any] = {}
-    for k, v in tree.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, (*prefix, k)))
-        else:
-            out[(*prefix, k)] = v
-    return out
-
-
-def _unflatten(flat: dict[Path_, Any]) -> dict:
-    out: dict = {}
-    for path, v in flat.items():
-        node = out
-        for k in path[:-1]:
-            node = node.setdefault(k, {})
-        node[path[-1]] = v
-    return out
-
-
 SAFE_WEIGHT_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*\.safetensors")
 
 
@@ -286,9 +91,9 @@ def load_weights(
 ) -> list[str]:
     """Copy Hugging Face tensors into `model` in place; returns the head parameters that were absent."""
     state = nnx.state(model, nnx.Param)
-    flat = _flatten(nnx.to_pure_dict(state))
+    flat = flatten_dict(nnx.to_pure_dict(state))
     missing_head = _match_weights(model.config, flat, tensors, head, source)
-    nnx.replace_by_pure_dict(state, _unflatten(flat))
+    nnx.replace_by_pure_dict(state, unflatten_dict(flat))
     nnx.update(model, state)
     return missing_head
 
@@ -301,7 +106,7 @@ def check_weight_shapes(
     # naming more layers than the weights hold is refused from the key table alone.
     _absent_head_weights(cfg, _normalise_keys(tensors, cfg.flavor), head, source)
     abstract = nnx.eval_shape(lambda: build(cfg, head, num_labels=num_labels))
-    _match_weights(cfg, _flatten(nnx.to_pure_dict(nnx.state(abstract, nnx.Param))), tensors, head, source)
+    _match_weights(cfg, flatten_dict(nnx.to_pure_dict(nnx.state(abstract, nnx.Param))), tensors, head, source)
 
 
 def _absent_head_weights(cfg: ModelConfig, tensors: dict[str, np.ndarray], head: str, source: str) -> list[str]:
@@ -334,7 +139,7 @@ def _match_weights(cfg: ModelConfig, flat: dict, tensors: dict[str, np.ndarray],
 
 
 def export_weights(model: MaskedLM | SequenceClassifier, head: str) -> dict[str, np.ndarray]:
-    flat = _flatten(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    flat = flatten_dict(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
     out = {}
     for row in key_table(model.config, head):
         value = np.asarray(flat[row.path], dtype=np.float32)
@@ -399,7 +204,7 @@ def load_pretrained(
     seed: int = 0,
     overrides: dict[str, Any] | None = None,
 ) -> Pretrained:
-    """Load a Hugging Face BERT/RoBERTa folder (or hub id, or a bertforge pretraining run) into a bertforge model.
+    """Load a Hugging Face BERT/RoBERTa folder (or hub id) into a bertforge model; runs.load_model takes runs too.
 
     head None takes the head that config.json names (a bare encoder gets the MLM head). With `require_head` a
     checkpoint without that head's weights is an error; otherwise the head starts fresh and is listed.
@@ -409,10 +214,6 @@ def load_pretrained(
     overrides = dict(overrides or {})
     if dtype is not None:
         overrides["dtype"] = dtype
-    from bertforge.tasks.export import is_run, load_run
-
-    if is_run(folder):
-        return _from_run(load_run(folder), head, require_head, num_labels, seed, overrides)
     data = _read_config(folder)
     source = str(folder / "config.json")
     cfg, info = config_from_hf(data, source)
@@ -447,27 +248,6 @@ def _with_overrides(cfg: ModelConfig, overrides: dict[str, Any], source: str) ->
         return dataclasses.replace(cfg, **overrides)
     except (TypeError, ValueError) as e:
         raise UserError(f"{source}: {e}") from None
-
-
-def _from_run(
-    pre: Pretrained, head: str | None, require_head: bool, num_labels: int | None, seed: int, overrides: dict
-) -> Pretrained:
-    """A pretraining run's model; under a sequence head, its encoder with a fresh head."""
-    cfg = _with_overrides(pre.model.config, overrides, str(pre.folder))
-    if head in (None, "mlm"):
-        if overrides:
-            model = build(cfg, "mlm", seed=seed)
-            nnx.update(model, nnx.state(pre.model, nnx.Param))
-            pre = dataclasses.replace(pre, model=model)
-        return pre
-    if require_head:
-        raise UserError(f"{pre.folder}: a pretraining run has a masked-LM head, not a sequence head")
-    n = num_labels or 1
-    model = build(cfg, "sequence", num_labels=n, seed=seed)
-    nnx.update(model.encoder, nnx.state(pre.model.encoder, nnx.Param))
-    missing = [row.hf for row in key_table(cfg, "sequence") if row.head]
-    id2label = {i: f"LABEL_{i}" for i in range(n)}
-    return Pretrained(model, pre.tokenizer, "sequence", id2label, None, pre.folder, missing)
 
 
 def save_pretrained(

@@ -16,14 +16,13 @@ from typing import Any
 
 import numpy as np
 
-from bertforge import tokenizer
+from bertforge import runs, tokenizer_train
 from bertforge.config import from_dict
 from bertforge.data import preprocess, tabular
 from bertforge.data.builtin import stdlib_docstrings, stdlib_module_task, write_stdlib_corpus
-from bertforge.model.hf import Pretrained, load_pretrained, save_pretrained
-from bertforge.model.presets import preset
+from bertforge.model.config import preset
+from bertforge.model.hf import Pretrained, save_pretrained
 from bertforge.tasks import finetune, infer, init, pretrain
-from bertforge.tasks.export import load_run
 from bertforge.tasks.init import InitConfig
 
 PROMPTS = (
@@ -39,18 +38,18 @@ NO_DROPOUT = {"hidden_dropout": 0.0, "attention_dropout": 0.0}
 
 @dataclasses.dataclass(frozen=True)
 class DemoConfig:
-    out: str = "demo-output"
-    vocab_size: int = 8000
-    preset: str = "mini"
+    out: str = "demo-output"  # folder for everything the demo writes
+    vocab_size: int = 8000  # of the WordPiece tokenizer
+    preset: str = "mini"  # model size
     steps: int = 600  # pretraining budget, the part of the demo that scales: about 3.5 minutes on 2 CPU cores
     minutes: float | None = None  # a wall-clock budget instead of `steps` (numbers then vary between machines)
-    folds: int = 3  # the pretrained model runs all of them
+    folds: int = 3  # folds of the fine-tuning task; the pretrained model runs all of them
     compare_folds: int = 1  # the models it is compared with run the first few, to keep the demo short
-    epochs: float = 3.0
+    epochs: float = 3.0  # fine-tuning epochs
     max_length: int = 64  # tokens per block in pretraining and per docstring in fine-tuning (3/4 of them fit)
     classes: int = 8  # modules in the classification task
     per_class: int = 150  # docstrings per module, a tenth of them held out for prediction
-    compare: str | None = MINILM  # a model folder fine-tuned alongside; the shipped MiniLM by default; None: none
+    compare: str | None = MINILM  # a model folder or hub id fine-tuned alongside, or none (default: the shipped MiniLM)
 
 
 def _minilm_path() -> str | None:
@@ -92,7 +91,7 @@ def _folds(run: int, k: int) -> str:
 
 def _predict(run: Path, test: list[dict[str, str]], out: Path) -> float:
     """Predictions of a run's folds (averaged) on the held-out rows, written to `out`; returns their accuracy."""
-    models, settings = infer.load_models(str(run))
+    models, settings = runs.load_models(str(run))
     logits = infer.run_outputs(models, settings, [r["text"] for r in test], None, 64, None, None)
     names = settings["labels"]
     predicted = [names[i] for i in np.argmax(logits, axis=1)]
@@ -129,7 +128,9 @@ def main(cfg: DemoConfig) -> dict[str, Any]:
     timings["task + corpus"] = time.perf_counter() - t
 
     t = stage(f"tokenizer: WordPiece, {cfg.vocab_size} tokens")
-    tok = tokenizer.train([str(out / "corpus.txt")], "wordpiece", cfg.vocab_size, out / "tokenizer", lowercase=True)
+    tok = tokenizer_train.train(
+        [str(out / "corpus.txt")], "wordpiece", cfg.vocab_size, out / "tokenizer", lowercase=True
+    )
     sample = "Return a new dictionary initialized from an optional positional argument."
     pieces = [tok.id_to_token(i) for i in tok.encode(sample).ids]
     print(f"{tok.vocab_size} tokens -> {out / 'tokenizer'}\n{sample!r} ->\n  {' '.join(pieces)}")
@@ -159,7 +160,7 @@ def main(cfg: DemoConfig) -> dict[str, Any]:
     fresh = init.main(
         InitConfig(model=preset(cfg.preset, **NO_DROPOUT)), str(out / "tokenizer"), str(out / "model-init")
     )
-    _show_fill_mask(load_pretrained(fresh, head="mlm", require_head=True))
+    _show_fill_mask(runs.load_model(fresh, head="mlm", require_head=True))
     timings["fill-mask before"] = time.perf_counter() - t
 
     budget = f"{cfg.minutes:g} minutes" if cfg.minutes else f"{cfg.steps} steps"
@@ -187,7 +188,7 @@ def main(cfg: DemoConfig) -> dict[str, Any]:
     timings["pretrain"] = time.perf_counter() - t
 
     t = stage("export as a Hugging Face folder, then fill-mask after pretraining")
-    trained = load_run(out / "run")
+    trained = runs.load_run(out / "run")
     save_pretrained(trained.model, out / "model", trained.tokenizer)
     print(f"-> {out / 'model'} (loads with transformers.AutoModelForMaskedLM)")
     _show_fill_mask(trained)

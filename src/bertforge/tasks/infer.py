@@ -13,19 +13,20 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
+from bertforge import runs
 from bertforge.data import tabular
 from bertforge.data.batching import BUCKET, bucket_length, by_length, pad_batch
 from bertforge.errors import UserError
 from bertforge.model.bert import MaskedLM, SequenceClassifier
-from bertforge.model.hf import Pretrained, load_pretrained
-from bertforge.tokenizer import TRUNCATIONS, BertTokenizer, Encoded
+from bertforge.model.hf import Pretrained
+from bertforge.tokenizer import TRUNCATIONS, BertTokenizer, Encoded, Truncation
 
 
 # ------------------------------------------------------------------------------------------------------ fill-mask
 @dataclasses.dataclass(frozen=True)
 class FillMaskConfig:
-    model: str
-    texts: tuple[str, ...]
+    model: str  # Hugging Face folder or hub id of a masked-LM model
+    texts: tuple[str, ...]  # texts with one or more [MASK]
     top_k: int = 5
 
 
@@ -78,22 +79,22 @@ def fill_mask(pre: Pretrained, texts: Sequence[str], top_k: int = 5) -> list[lis
 def fill_mask_main(cfg: FillMaskConfig) -> list[list[list[dict[str, Any]]]]:
     if cfg.top_k < 1:
         raise UserError(f"--top-k must be at least 1, got {cfg.top_k}")
-    pre = load_pretrained(cfg.model, head="mlm", require_head=True)
+    pre = runs.load_model(cfg.model, head="mlm", require_head=True)
     return fill_mask(pre, cfg.texts, cfg.top_k)
 
 
 # ------------------------------------------------------------------------------------------------------ predict
 @dataclasses.dataclass(frozen=True)
 class PredictConfig:
-    model: str
-    data: str
-    out: str
+    model: str  # a fine-tuning run (its folds averaged) or a model folder
+    data: str  # CSV, TSV or JSONL
+    out: str  # CSV to write
     text_column: str | None = None  # default: the fine-tuning run's, else 'text'
     text_pair_column: str | None = None
     id_column: str | None = None  # kept in the output; 'id' is kept when present and this is unset
     batch_size: int = 32
     max_length: int | None = None  # default: the fine-tuning run's, else the model's
-    truncation: str | None = None  # default: the fine-tuning run's, else 'head'
+    truncation: Truncation | None = None  # default: the fine-tuning run's, else 'head'
     quoted_tsv: bool = False  # a .tsv table written with CSV quoting; by default a TSV has none and '"' is text
 
     def __post_init__(self) -> None:
@@ -167,18 +168,6 @@ def predict_outputs(
 INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 
 
-def load_models(name: str) -> tuple[list[Pretrained], dict[str, Any]]:
-    """The model(s) behind `name`: a fine-tuning run gives its fold models (averaged by predict), with the run's
-    text settings; anything else is one model folder or hub id."""
-    from bertforge.tasks.finetune import fold_models
-
-    found = fold_models(name)
-    if found is not None:
-        folders, settings = found
-        return [load_pretrained(f, head="sequence", require_head=True) for f in folders], settings
-    return [load_pretrained(name, head="sequence", require_head=True)], {}
-
-
 def run_outputs(
     models: Sequence[Pretrained],
     settings: dict[str, Any],
@@ -188,14 +177,14 @@ def run_outputs(
     max_length: int | None,
     truncation: str | None,
 ) -> np.ndarray:
-    """predict_outputs of load_models' result: a fine-tuning run's length and truncation where none is given."""
+    """predict_outputs of runs.load_models' result: a fine-tuning run's length and truncation where none is given."""
     max_length = max_length or settings.get("max_length")
     truncation = truncation or settings.get("truncation") or "head"
     return predict_outputs(models, texts, pairs, batch_size, max_length, truncation)
 
 
 def predict_main(cfg: PredictConfig) -> np.ndarray:
-    models, settings = load_models(cfg.model)
+    models, settings = runs.load_models(cfg.model)
     columns, rows = tabular.read_table(cfg.data, quoted_tsv=cfg.quoted_tsv)
     if not rows:
         raise UserError(f"{cfg.data}: no rows")
@@ -207,20 +196,40 @@ def predict_main(cfg: PredictConfig) -> np.ndarray:
     id_column = cfg.id_column or ("id" if "id" in columns else None)
     if id_column is not None and id_column not in columns:
         raise UserError(f"{cfg.data}: no column '{id_column}' (columns: {', '.join(columns)})")
-    ids = [[row.get(id_column)] for row in rows] if id_column else [[] for _ in rows]
     first = models[0]
     task = settings.get("task") or ("regression" if first.model.num_labels == 1 else "classification")
     names = [first.id2label.get(j, str(j)) for j in range(first.model.num_labels)]
-    head = [id_column] if id_column else []
     if task == "regression":
-        cols = ["prediction"] if len(names) == 1 else [f"prediction_{n}" for n in settings.get("targets", names)]
-        header = [*head, *cols]
-        body = [[*i, *(f"{x:.7g}" for x in o)] for i, o in zip(ids, outputs, strict=True)]
-    elif task == "multilabel":
-        header = [*head, *(f"logit_{n}" for n in names)]
-        body = [[*i, *(f"{x:.7g}" for x in o)] for i, o in zip(ids, outputs, strict=True)]
-    else:
-        header = [*head, "label", *(f"logit_{n}" for n in names)]
-        body = [[*i, names[int(np.argmax(o))], *(f"{x:.7g}" for x in o)] for i, o in zip(ids, outputs, strict=True)]
-    tabular.write_csv(cfg.out, header, body)
+        names = settings.get("targets", names)
+    keys = [(id_column, [row.get(id_column) for row in rows])] if id_column else []
+    tabular.write_csv(cfg.out, *prediction_table(task, names, outputs, keys))
     return outputs
+
+
+def prediction_table(
+    task: str,
+    names: Sequence[str],
+    outputs: np.ndarray,
+    keys: Sequence[tuple[str, Sequence[Any]]] = (),
+    targets: tuple[Sequence[str], Sequence[Sequence[str]]] | None = None,
+) -> tuple[list[str], list[list[Any]]]:
+    """Header and rows of a predictions CSV: the `keys` columns ((name, values), such as ids), then the true values
+    when `targets` gives them ((header, rows): out-of-fold predictions), then the predictions.
+
+    Classification: the predicted class ('label', or 'prediction' next to the target) and a logit per class of
+    `names`. Regression: a value per target of `names` ('prediction' when there is one). Multilabel: a logit per
+    label, named as the predictions of the targets when those stand beside them.
+    """
+    values = [[f"{x:.7g}" for x in o] for o in outputs]
+    if task == "classification":
+        predicted = ["label" if targets is None else "prediction", *(f"logit_{n}" for n in names)]
+        values = [[names[int(np.argmax(o))], *v] for o, v in zip(outputs, values, strict=True)]
+    elif task == "multilabel" and targets is None:
+        predicted = [f"logit_{n}" for n in names]
+    else:
+        predicted = ["prediction"] if len(names) == 1 else [f"prediction_{n}" for n in names]
+    target_header, target_rows = targets if targets is not None else ((), [() for _ in values])
+    header = [*(name for name, _ in keys), *target_header, *predicted]
+    columns = [column for _, column in keys]
+    body = [[*(c[i] for c in columns), *target_rows[i], *v] for i, v in enumerate(values)]
+    return header, body

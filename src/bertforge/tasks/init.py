@@ -7,9 +7,9 @@ from pathlib import Path
 from typing import Literal
 
 from bertforge.errors import UserError
-from bertforge.model.bert import ModelConfig, build
+from bertforge.model.bert import build
+from bertforge.model.config import ModelConfig, preset
 from bertforge.model.hf import save_pretrained
-from bertforge.model.presets import preset
 from bertforge.tokenizer import BertTokenizer
 
 

@@ -32,8 +32,8 @@ NOISE = re.compile(r"^\[Gloo\] Rank \d+ is connected to")  # one line per peer f
 class LaunchConfig:
     command: tuple[str, ...]  # a bertforge subcommand and its arguments
     num_processes: int = 2
-    devices_per_process: int = 4
-    port: int = 0  # 0: a free one
+    devices_per_process: int = 4  # simulated CPU devices of each process
+    port: int = 0  # coordinator port; 0: a free one
     log_dir: str = ""  # default: RUN/logs when the command has --out RUN, else a temporary folder
 
     def __post_init__(self) -> None:

@@ -26,10 +26,21 @@ import jax.numpy as jnp
 from flax import nnx
 
 from bertforge.data.masking import MaskingSpec
+from bertforge.data.shards import Shards
 from bertforge.errors import UserError
-from bertforge.model.bert import ModelConfig, build
-from bertforge.parallel import MESH_AXES, batch_sharding, logical_axes, mesh_shape, param_shardings, spec_for
-from bertforge.tasks.pretrain import PretrainConfig, build_mesh, check_batch_split, compile_steps
+from bertforge.model.bert import build
+from bertforge.model.config import ModelConfig
+from bertforge.parallel import (
+    MESH_AXES,
+    batch_sharding,
+    build_mesh,
+    check_batch_split,
+    logical_axes,
+    mesh_shape,
+    param_shardings,
+    spec_for,
+)
+from bertforge.tasks.pretrain import PretrainConfig, compile_steps
 from bertforge.train.optim import make_optimizer
 from bertforge.train.step import abstract_train_state, prediction_capacity
 
@@ -143,13 +154,28 @@ def compiled_bytes(cfg: PretrainConfig, seq_len: int) -> int:
     )
 
 
-def main(cfg: PretrainConfig, devices: int, seq_len: int, compile: bool = False) -> tuple[Plan, int | None]:
+@dataclasses.dataclass(frozen=True)
+class PlanConfig(PretrainConfig):
+    """A pretraining config, and the mesh and sequences to plan it for."""
+
+    devices: int | None = None  # devices of the mesh (default: mesh.num_devices, else this machine's)
+    seq_len: int | None = None  # tokens per sequence (default: the shards' of --data, else 128)
+    shards: str = ""  # shard folder, for its sequence length
+    compile: bool = False  # also compile the step here and show JAX's figure
+
+
+def main(cfg: PlanConfig) -> tuple[Plan, int | None]:
     """The plan, and with `compile` the compiled step's figure on this machine's devices (None otherwise)."""
+    seq_len = cfg.seq_len
+    if seq_len is None and cfg.shards:
+        seq_len = Shards(cfg.shards, "train").seq_len
+    seq_len = seq_len or 128
+    devices = cfg.devices if cfg.devices is not None else cfg.mesh.num_devices or jax.device_count()
     if seq_len > cfg.model.max_seq_len:
         raise UserError(f"--seq-len {seq_len} is longer than the model's {cfg.model.max_seq_len} positions")
     plan = estimate(cfg, devices, seq_len)
     measured = None
-    if compile:
+    if cfg.compile:
         if devices != len(jax.devices()) and not cfg.mesh.num_devices:
             raise UserError(f"--compile compiles for this machine's {len(jax.devices())} devices; drop --devices")
         measured = compiled_bytes(cfg, seq_len)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
 from pathlib import Path
 from typing import Any
@@ -16,33 +15,31 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import yaml
 from flax import nnx
 
-from bertforge import version
+from bertforge import runs
 from bertforge.bench.flops import device_peak_flops, train_flops_per_token
 from bertforge.config import to_dict
 from bertforge.data.masking import MaskingSpec, continuation_table
 from bertforge.data.shards import BatchLoader, Shards
 from bertforge.errors import UserError
-from bertforge.fileio import write_atomic, write_folder_atomic
-from bertforge.model.bert import ModelConfig, build
-from bertforge.model.presets import preset
-from bertforge.parallel import batch_sharding, global_array, make_mesh, param_shardings, process_0s
-from bertforge.tasks.export import RUN_FILE
+from bertforge.fileio import write_folder_atomic
+from bertforge.model.bert import build
+from bertforge.model.config import ModelConfig, preset
+from bertforge.parallel import MeshConfig, batch_sharding, build_mesh, global_array, param_shardings, process_0s
 from bertforge.tasks.init import fit_to_tokenizer
 from bertforge.tokenizer import BertTokenizer
 from bertforge.train import loop
-from bertforge.train.checkpoint import DAMAGED, Checkpoints, RunLock
-from bertforge.train.logging import MetricsLog
+from bertforge.train.checkpoint import Checkpoints
+from bertforge.train.logging import LogConfig, MetricsLog
 from bertforge.train.optim import OptimConfig, learning_rate, make_optimizer, warmup_fraction
 from bertforge.train.step import StepConfig, TrainState, eval_sums, new_train_state, prediction_capacity, train_step
 
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    shards: str = ""
-    tokenizer: str = ""  # default: the tokenizer the shards were made with
+    shards: str = ""  # shard folder made by `bertforge preprocess`
+    tokenizer: str = ""  # tokenizer folder (default: the one the shards were made with)
     seed: int = 0  # data order
 
 
@@ -73,14 +70,6 @@ class MlmConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class MeshConfig:
-    data: int = -1
-    fsdp: int = 1
-    tensor: int = 1
-    num_devices: int = 0  # 0: every device of every host
-
-
-@dataclasses.dataclass(frozen=True)
 class EvalConfig:
     every: int = 200
     max_batches: int | None = None  # None: the whole validation split
@@ -91,15 +80,6 @@ class CheckpointConfig:
     every: int = 200
     keep_last: int = 2
     keep_best: int = 1
-
-
-@dataclasses.dataclass(frozen=True)
-class LogConfig:
-    every: int = 10
-    tensorboard: bool = True
-    wandb: bool = False
-    wandb_project: str = "bertforge"
-    progress: bool | None = None  # None: a bar when stderr is a terminal
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,38 +96,6 @@ class PretrainConfig:
 
 
 # ------------------------------------------------------------------------------------------------------ set-up
-def _suggest_batches(batch: int, multiple: int) -> str:
-    lower = max(multiple, batch // multiple * multiple)
-    return f"{lower} or {lower + multiple}"
-
-
-def build_mesh(cfg: MeshConfig, global_batch: int, grad_accum: int, batch_key: str) -> jax.sharding.Mesh:
-    """The device mesh of `cfg`; the micro-batch (global_batch / grad_accum) must split over its batch shards."""
-    devices = jax.devices()
-    if cfg.num_devices:
-        if cfg.num_devices > len(devices):
-            raise UserError(f"mesh.num_devices={cfg.num_devices} but there are {len(devices)} devices")
-        devices = devices[: cfg.num_devices]
-    try:
-        mesh = make_mesh(cfg.data, cfg.fsdp, cfg.tensor, devices)
-    except ValueError as e:
-        raise UserError(f"config 'mesh': {e}") from None
-    check_batch_split(dict(mesh.shape), global_batch, grad_accum, batch_key)
-    return mesh
-
-
-def check_batch_split(shape: dict[str, int], global_batch: int, grad_accum: int, batch_key: str) -> None:
-    """Refuse a micro-batch (global_batch / grad_accum) that does not split over the mesh's batch shards."""
-    shards = shape["data"] * shape["fsdp"]
-    micro = global_batch // grad_accum
-    if micro % shards:
-        raise UserError(
-            f"{batch_key}={global_batch} with grad_accum={grad_accum} gives micro-batches of {micro}, which do not "
-            f"split over {shards} devices (mesh data x fsdp); use {batch_key} "
-            f"{_suggest_batches(global_batch, shards * grad_accum)}"
-        )
-
-
 def total_steps(cfg: TrainConfig, batches_per_epoch: int, seq_len: int) -> int | None:
     options = []
     if cfg.max_steps is not None:
@@ -196,17 +144,13 @@ def compile_steps(
         groups=groups,
         capacity=prediction_capacity(micro // groups * seq_len, cfg.mlm.rate),
     )
-    step_jit = jax.jit(
-        functools.partial(train_step, graphdef, rest, tx=tx, cfg=step_cfg),
-        donate_argnums=(0,),
-        out_shardings=(state_shardings, None),
-    )
+    step_jit = loop.compile_train_step(train_step, graphdef, rest, tx, step_cfg, state_shardings)
     return step_jit, jax.jit(functools.partial(eval_sums, graphdef, rest, cfg=step_cfg))
 
 
 def _restore_from(path: Path, state: TrainState) -> tuple[TrainState, dict[str, Any]]:
     """--resume PATH: a step folder (RUN/checkpoints/N) or a run folder (its latest checkpoint)."""
-    directory, step = (path.parent, int(path.name)) if path.name.isdigit() else (path / "checkpoints", None)
+    directory, step = (path.parent, int(path.name)) if path.name.isdigit() else (path / runs.CHECKPOINTS, None)
     if not directory.is_dir():
         raise UserError(f"{path}: no checkpoint to resume from")
     source = Checkpoints(directory)
@@ -247,21 +191,15 @@ def main(cfg: PretrainConfig, out: str, resume: str = "auto", vocab_given: bool 
     run_dir = Path(out)
     if not cfg.data.shards:
         raise UserError("no shards given (--data SHARDS or data.shards in the config)")
-    lock = RunLock(run_dir) if jax.process_index() == 0 else None
-    if lock is not None:
-        lock.acquire()
-    try:
+    with runs.locked(run_dir):
         return _main(cfg, run_dir, resume, vocab_given)
-    finally:
-        if lock is not None:
-            lock.release()
 
 
 def _main(cfg: PretrainConfig, run_dir: Path, resume: str, vocab_given: bool) -> dict[str, Any]:
     train_shards = Shards(cfg.data.shards, "train")
     manifest = train_shards.manifest
     tokenizer_dir = cfg.data.tokenizer
-    run_tokenizer = run_dir / "tokenizer"
+    run_tokenizer = run_dir / runs.TOKENIZER
     if not tokenizer_dir and (run_tokenizer / "tokenizer.json").exists():
         tokenizer_dir = str(run_tokenizer)  # a resumed run uses its own copy
     if tokenizer_dir:
@@ -299,15 +237,12 @@ def _main(cfg: PretrainConfig, run_dir: Path, resume: str, vocab_given: bool) ->
     state_shardings = jax.tree.map(lambda x: x.sharding, state)
 
     run_dir.mkdir(parents=True, exist_ok=True)
-    checkpoints = Checkpoints(run_dir / "checkpoints", cfg.checkpoint.keep_last, cfg.checkpoint.keep_best)
+    checkpoints = Checkpoints(run_dir / runs.CHECKPOINTS, cfg.checkpoint.keep_last, cfg.checkpoint.keep_best)
     key = jax.random.key(cfg.train.seed)
     start_step, elapsed = 0, 0.0
-    if resume == "never" and checkpoints.latest_step() is not None:
-        raise UserError(f"{run_dir}: already has checkpoints; use another --out, or --resume auto to continue")
-    meta = None
-    if resume == "auto" and (found := checkpoints.restore_newest_good(state, run_dir / DAMAGED)) is not None:
-        _, state, meta = found
-    elif resume not in ("auto", "never"):
+    if resume in ("auto", "never"):
+        state, meta = runs.resume(checkpoints, state, run_dir, resume)
+    else:
         state, meta = _restore_from(Path(resume), state)
     if meta is not None:
         loader.load_state_dict(meta["loader"])
@@ -316,20 +251,8 @@ def _main(cfg: PretrainConfig, run_dir: Path, resume: str, vocab_given: bool) ->
     if jax.process_index() == 0:
         if not (run_tokenizer / "tokenizer.json").exists():
             write_folder_atomic(run_tokenizer, tokenizer.save)
-        write_atomic(run_dir / "config.yaml", yaml.safe_dump(to_dict(cfg), sort_keys=False))
-        write_atomic(
-            run_dir / RUN_FILE,
-            json.dumps(
-                {
-                    "kind": "pretrain",
-                    "bertforge_version": version(),
-                    "model": to_dict(model_cfg),
-                    "shards": cfg.data.shards,
-                },
-                indent=2,
-            )
-            + "\n",
-        )
+        runs.write_config(run_dir, cfg)
+        runs.write_info(run_dir, "pretrain", {"model": to_dict(model_cfg), "shards": cfg.data.shards})
 
     masking = _masking_spec(cfg, tokenizer, manifest["special_ids"], model_cfg.vocab_size)
     step_jit, eval_fn = compile_steps(
@@ -345,42 +268,21 @@ def _main(cfg: PretrainConfig, run_dir: Path, resume: str, vocab_given: bool) ->
     flops = train_flops_per_token(model_cfg, seq_len, predicted) * tokens_per_step
     peak, _ = device_peak_flops(model_cfg.dtype)
     peak *= len(mesh.devices.flat)
-    log = MetricsLog(
-        run_dir,
-        steps,
-        start_step,
-        cfg.log.tensorboard,
-        cfg.log.wandb,
-        cfg.log.wandb_project,
-        to_dict(cfg),
-        cfg.log.progress,
-    )
+    log = MetricsLog(run_dir, cfg.log, steps, start_step, to_dict(cfg))
     last: dict[str, Any] = {}
-    evaluated: dict[str, Any] = {}  # the latest evaluation: its step and loss go with that step's checkpoint
 
     def write(step: int, metrics: dict[str, float]) -> None:
         metrics = {"epoch": loader.epoch_of(max(step - 1, 0)), "tokens": step * tokens_per_step, **metrics}
         last.update(metrics)
-        log.write(step, metrics)
-        shown = {k: f"{metrics[k]:.4g}" for k in ("loss", "lr", "valid_loss") if k in metrics}
-        if "tokens_per_s" in metrics:
-            shown["tok/s"] = f"{metrics['tokens_per_s']:,.0f}"
-        log.progress(step, shown)
+        log.record(step, metrics, ("loss", "lr", "valid_loss"))
 
-    def save(step: int, state: TrainState) -> None:
+    def save(step: int, state: TrainState, evaluation: dict[str, float] | None) -> None:
         meta = {"loader": loader.state_dict(), "elapsed": last.get("elapsed", 0.0), "step": step}
-        checkpoints.save(
-            step, state, meta, valid_loss=evaluated["valid_loss"] if evaluated.get("step") == step else None
-        )
+        checkpoints.save(step, state, meta, valid_loss=None if evaluation is None else evaluation["valid_loss"])
 
     def evaluate(step: int, state: TrainState) -> dict[str, float] | None:
-        if valid_shards is None:
-            return None
-        metrics = _evaluate(eval_fn, state.params, valid_shards, cfg, mesh)
-        evaluated.update(valid_loss=metrics["valid_loss"], step=step)
-        return metrics
+        return None if valid_shards is None else _evaluate(eval_fn, state.params, valid_shards, cfg, mesh)
 
-    hooks = [loop.Hook(cfg.eval.every, evaluate), loop.Hook(cfg.checkpoint.every, save)]
     log.message(
         f"pretraining {model_cfg.num_layers}x{model_cfg.hidden_size} ({model_cfg.num_params() / 1e6:.1f} M parameters) "
         f"on {len(mesh.devices.flat)} device(s) {dict(mesh.shape)}: global batch {cfg.train.global_batch} "
@@ -389,33 +291,32 @@ def _main(cfg: PretrainConfig, run_dir: Path, resume: str, vocab_given: bool) ->
         f"{loader.batches_per_epoch} batches per epoch" + (f"; resuming from step {start_step}" if start_step else "")
     )
     try:
-        with loop.StopFlag() as stop:
-            state, step, elapsed = loop.run(
-                state,
-                step_fn,
-                lambda: next(loader),
-                lambda p: learning_rate(cfg.optim, p, warmup),
-                budget,
-                start_step,
-                hooks,
-                write,
-                cfg.log.every,
-                elapsed_before=elapsed,
-                tokens_per_step=tokens_per_step,
-                flops_per_step=flops,
-                peak_flops=peak,
-                stop_flag=stop,
-                on_stop=lambda s, st: (save(s, st), checkpoints.wait()),
-                clock=process_0s if seconds is not None and jax.process_count() > 1 else None,
-            )
+        state, step, elapsed = loop.run(
+            state,
+            step_fn,
+            next_batch=lambda: next(loader),
+            lr_at=lambda p: learning_rate(cfg.optim, p, warmup),
+            budget=budget,
+            log=write,
+            log_every=cfg.log.every,
+            start_step=start_step,
+            evaluate=loop.Every(cfg.eval.every, evaluate),
+            checkpoint=loop.Every(cfg.checkpoint.every, save),
+            preemptible=True,
+            elapsed_before=elapsed,
+            tokens_per_step=tokens_per_step,
+            flops_per_step=flops,
+            peak_flops=peak,
+            clock=process_0s if seconds is not None and jax.process_count() > 1 else None,
+        )
         if checkpoints.latest_step() != step:
-            save(step, state)
+            save(step, state, None)
         checkpoints.wait()
     except loop.NonFiniteLoss as e:
         checkpoints.wait()
         good = checkpoints.latest_step()
         where = (
-            f"the last good checkpoint is {run_dir / 'checkpoints' / str(good)}"
+            f"the last good checkpoint is {run_dir / runs.CHECKPOINTS / str(good)}"
             if good is not None
             else "no checkpoint"
         )

@@ -1,4 +1,4 @@
-"""Checkpoints (orbax) and the run lock.
+"""Checkpoints (orbax).
 
 Orbax writes each checkpoint into a temporary folder and renames it when whole, so a crash during a save leaves
 the previous checkpoint in force. We keep the latest K and the best K by validation loss. Besides the train
@@ -13,13 +13,10 @@ checks them first. A damaged checkpoint is reported and skipped for the previous
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import logging
-import os
 import shutil
-import socket
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -90,41 +87,6 @@ def damage(folder: Path) -> str | None:
         if _sha256(path) != digest:
             return f"{rel} does not match its sha256"
     return None
-
-
-class RunLock:
-    """An exclusive lock on a run folder. The kernel drops it when the holder dies, even by kill -9."""
-
-    def __init__(self, run_dir: str | Path):
-        self.path = Path(run_dir) / ".lock"
-        self.fd: int | None = None
-
-    def acquire(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.read(fd, 4096).decode("utf-8", "replace").strip() or "unknown"
-            os.close(fd)
-            raise UserError(f"{self.path.parent}: another trainer is using this run ({holder})") from None
-        os.ftruncate(fd, 0)
-        os.write(fd, f"host {socket.gethostname()}, pid {os.getpid()}\n".encode())
-        os.fsync(fd)
-        self.fd = fd
-
-    def release(self) -> None:
-        if self.fd is not None:
-            fcntl.flock(self.fd, fcntl.LOCK_UN)
-            os.close(self.fd)
-            self.fd = None
-
-    def __enter__(self) -> RunLock:
-        self.acquire()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
 
 
 def _valid_loss(metrics: dict[str, float]) -> float:

@@ -5,9 +5,11 @@ Only process 0 writes. Secrets never reach the logs: W&B reads its key from its 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,21 +19,29 @@ from tqdm.auto import tqdm
 from bertforge.errors import UserError
 from bertforge.fileio import write_atomic
 
+METRICS = "metrics.jsonl"
+
+
+@dataclasses.dataclass(frozen=True)
+class LogConfig:
+    every: int = 10
+    tensorboard: bool = True
+    wandb: bool = False
+    wandb_project: str = "bertforge"
+    progress: bool | None = None  # None: a bar when stderr is a terminal
+
 
 class MetricsLog:
     def __init__(
         self,
         run_dir: str | Path,
+        cfg: LogConfig,
         total_steps: int | None,
         start_step: int,
-        tensorboard: bool = True,
-        wandb: bool = False,
-        wandb_project: str = "bertforge",
-        config: dict[str, Any] | None = None,
-        progress: bool | None = None,
+        config: dict[str, Any] | None = None,  # the run's whole config, for W&B
     ):
         self.main = jax.process_index() == 0
-        self.path = Path(run_dir) / "metrics.jsonl"
+        self.path = Path(run_dir) / METRICS
         self.tb = self.wandb = None
         self.bar = None
         if not self.main:
@@ -40,17 +50,17 @@ class MetricsLog:
             # A resumed run continues the file: entries past the restored step are from the lost attempt.
             kept = [line for line in self.path.read_text().splitlines() if _step_of(line) <= start_step]
             write_atomic(self.path, "".join(line + "\n" for line in kept))
-        if tensorboard:
+        if cfg.tensorboard:
             from tensorboardX import SummaryWriter
 
             self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"), purge_step=start_step + 1)
-        if wandb:
+        if cfg.wandb:
             try:
                 import wandb as wandb_lib
             except ImportError:
                 raise UserError("log.wandb is true but wandb is not installed (pip install wandb)") from None
-            self.wandb = wandb_lib.init(project=wandb_project, dir=str(run_dir), config=config, resume="allow")
-        show = sys.stderr.isatty() if progress is None else progress
+            self.wandb = wandb_lib.init(project=cfg.wandb_project, dir=str(run_dir), config=config, resume="allow")
+        show = sys.stderr.isatty() if cfg.progress is None else cfg.progress
         self.bar = tqdm(total=total_steps, initial=start_step, unit="step", disable=not show, dynamic_ncols=True)
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
@@ -66,6 +76,14 @@ class MetricsLog:
             self.tb.flush()
         if self.wandb is not None:
             self.wandb.log(record, step=step)
+
+    def record(self, step: int, metrics: dict[str, float], shown: Sequence[str]) -> None:
+        """Write `metrics`, and show those of `shown` that it has (and the throughput) beside the progress bar."""
+        self.write(step, metrics)
+        postfix = {k: f"{metrics[k]:.4g}" for k in shown if k in metrics}
+        if "tokens_per_s" in metrics:
+            postfix["tok/s"] = f"{metrics['tokens_per_s']:,.0f}"
+        self.progress(step, postfix)
 
     def progress(self, step: int, postfix: dict[str, str]) -> None:
         if self.bar is not None:
@@ -104,7 +122,7 @@ def _step_of(line: str) -> int:
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    path = Path(run_dir) / "metrics.jsonl"
+    path = Path(run_dir) / METRICS
     lines = [line for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
     if lines and _step_of(lines[-1]) == 1 << 62:
         lines.pop()  # torn by a kill during the append; the next run drops it too

@@ -1,13 +1,16 @@
-"""The training loop shared by pretraining and fine-tuning: steps, and hooks that run every N steps.
+"""The training loop shared by pretraining and fine-tuning: steps, with evaluation and checkpoints every N steps.
 
-The loop knows nothing of masks, checkpoints or evaluation: those are hooks. It owns the budget (steps or
-wall-clock), the learning-rate progress, metric logging every `log_every` steps, and the stop flag that SIGTERM
-raises (what preemptible machines receive before they are taken away).
+The loop knows nothing of masks, or of how a task evaluates or saves: it calls those functions when they are due,
+and hands each checkpoint the metrics of the evaluation done at the same step (which keeps the best checkpoints).
+It owns the budget (steps or wall-clock), the learning-rate progress, metric logging every `log_every` steps, and
+the stop flag that SIGTERM raises (what preemptible machines receive before they are taken away).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import signal
 import time
 from collections.abc import Callable
@@ -23,10 +26,16 @@ class Preempted(Exception):
     """SIGTERM arrived; the loop saved a checkpoint and stopped."""
 
 
-@dataclasses.dataclass
-class Hook:
-    every: int
-    fn: Callable[[int, Any], dict[str, float] | None]  # (step, state) -> metrics to log, or None
+@dataclasses.dataclass(frozen=True)
+class Every:
+    """`fn` after every `steps`-th step, and after the last step when that is not one of them (unless not `at_end`).
+
+    As `evaluate`, fn(step, state) returns metrics to log, or None; as `checkpoint`, fn(step, state, evaluation)
+    gets the metrics of the evaluation done after the same step, or None.
+    """
+
+    steps: int
+    fn: Callable[..., Any]
     at_end: bool = True
 
 
@@ -97,31 +106,49 @@ OOM_HINT = (
 )
 
 
+def compile_train_step(
+    train_step: Callable[..., Any], graphdef: Any, rest: Any, tx: Any, cfg: Any, state_shardings: Any
+) -> Any:
+    """train_step(graphdef, rest, state, batch, lr, key, tx, cfg) jitted over (state, batch, lr, key): the state is
+    donated, so the update reuses its buffers, and comes back laid out as `state_shardings`."""
+    return jax.jit(
+        functools.partial(train_step, graphdef, rest, tx=tx, cfg=cfg),
+        donate_argnums=(0,),
+        out_shardings=(state_shardings, None),
+    )
+
+
 def run(
     state: Any,
     step_fn: Callable[[Any, Any, float], tuple[Any, dict[str, Any]]],
+    *,
     next_batch: Callable[[], Any],
     lr_at: Callable[[float], float],
     budget: Budget,
-    start_step: int,
-    hooks: list[Hook],
     log: Callable[[int, dict[str, float]], None],
     log_every: int,
+    start_step: int = 0,
+    evaluate: Every | None = None,
+    checkpoint: Every | None = None,
+    preemptible: bool = False,
     elapsed_before: float = 0.0,
     tokens_per_step: int = 0,
     flops_per_step: float = 0.0,
     peak_flops: float = float("nan"),
-    stop_flag: StopFlag | None = None,
-    on_stop: Callable[[int, Any], None] | None = None,
     clock: Callable[[float], float] | None = None,
 ) -> tuple[Any, int, float]:
     """Run steps until the budget is spent; returns (state, step, elapsed seconds).
+
+    `preemptible`: on SIGTERM (or a first Ctrl-C) checkpoint after the current step and raise Preempted. The step
+    the loop starts from is never checkpointed again: it was restored from a checkpoint (or is step 0).
 
     `clock`, given this process's elapsed seconds, returns the ones every process agrees on (process 0's). With it,
     a time budget sees the elapsed time of the last log boundary, refreshed at each: processes reading their own
     clocks could disagree on the step a deadline falls after (one would stop while the others wait for it in a
     collective for ever) and on the learning rate.
     """
+    periodic = [e for e in (evaluate, checkpoint) if e is not None]
+    roles = functools.partial(_run_due, log=log, evaluate=evaluate, checkpoint=checkpoint)
     step = start_step
     start = time.perf_counter() - elapsed_before
     agreed = elapsed_before
@@ -132,56 +159,71 @@ def run(
     pending: list[dict[str, Any]] = []
     window_start, window_steps, window_paused = time.perf_counter(), 0, 0.0
     last_lr = 0.0
-    while not budget.done(step, budget_elapsed()):
-        lr = lr_at(budget.progress(step, budget_elapsed()))
-        batch = next_batch()
-        try:
-            state, metrics = step_fn(state, batch, lr)
-            if step == start_step:
-                jax.block_until_ready(metrics)
-        except Exception as e:  # XLA reports exhausted memory as a runtime error
-            if step == start_step and "RESOURCE_EXHAUSTED" in str(e).upper():
-                raise UserError(OOM_HINT) from None
-            raise
-        step += 1
-        window_steps += 1
-        last_lr = lr
-        pending.append(metrics)
-        boundary = step % log_every == 0 or budget.done(step, budget_elapsed())
-        stopping = stop_flag is not None and stop_flag.stop_after(step)
-        if boundary or stopping or any(step % h.every == 0 for h in hooks):
-            _check_finite(pending, step)
-        if boundary:
-            fetched = jax.device_get(pending)
-            seconds = time.perf_counter() - window_start - window_paused  # steps only, not evaluations
-            record = {k: float(np.mean([m[k] for m in fetched])) for k in fetched[-1] if k != "finite"}
-            record["lr"] = last_lr
-            record["step_time"] = seconds / window_steps
-            if tokens_per_step:
-                record["tokens_per_s"] = tokens_per_step * window_steps / seconds
-            if flops_per_step:
-                record["mfu"] = flops_per_step * window_steps / seconds / peak_flops
-            record["elapsed"] = time.perf_counter() - start
-            log(step, record)
-            pending, window_start, window_steps, window_paused = [], time.perf_counter(), 0, 0.0
-            if clock is not None:
-                agreed = clock(time.perf_counter() - start)
-        hooks_start = time.perf_counter()  # the steps are done: _check_finite above waited for them
-        for hook in (h for h in hooks if step % h.every == 0):
-            extra = hook.fn(step, state)
-            if extra:
-                log(step, extra)
-        window_paused += time.perf_counter() - hooks_start
-        if stopping:
-            if on_stop is not None:
-                on_stop(step, state)
-            raise Preempted(f"stopped by signal {stop_flag.signal} at step {step}")
-    for hook in hooks:
-        if hook.at_end and step % hook.every != 0:
-            extra = hook.fn(step, state)
-            if extra:
-                log(step, extra)
+    with StopFlag() if preemptible else contextlib.nullcontext() as stop_flag:
+        while not budget.done(step, budget_elapsed()):
+            lr = lr_at(budget.progress(step, budget_elapsed()))
+            batch = next_batch()
+            try:
+                state, metrics = step_fn(state, batch, lr)
+                if step == start_step:
+                    jax.block_until_ready(metrics)
+            except Exception as e:  # XLA reports exhausted memory as a runtime error
+                if step == start_step and "RESOURCE_EXHAUSTED" in str(e).upper():
+                    raise UserError(OOM_HINT) from None
+                raise
+            step += 1
+            window_steps += 1
+            last_lr = lr
+            pending.append(metrics)
+            boundary = step % log_every == 0 or budget.done(step, budget_elapsed())
+            stopping = stop_flag is not None and stop_flag.stop_after(step)
+            if boundary or stopping or any(step % e.steps == 0 for e in periodic):
+                _check_finite(pending, step)
+            if boundary:
+                fetched = jax.device_get(pending)
+                seconds = time.perf_counter() - window_start - window_paused  # steps only, not evaluations
+                record = {k: float(np.mean([m[k] for m in fetched])) for k in fetched[-1] if k != "finite"}
+                record["lr"] = last_lr
+                record["step_time"] = seconds / window_steps
+                if tokens_per_step:
+                    record["tokens_per_s"] = tokens_per_step * window_steps / seconds
+                if flops_per_step:
+                    record["mfu"] = flops_per_step * window_steps / seconds / peak_flops
+                record["elapsed"] = time.perf_counter() - start
+                log(step, record)
+                pending, window_start, window_steps, window_paused = [], time.perf_counter(), 0, 0.0
+                if clock is not None:
+                    agreed = clock(time.perf_counter() - start)
+            roles_start = time.perf_counter()  # the steps are done: _check_finite above waited for them
+            roles(step, state, lambda e, step=step: step % e.steps == 0, save_anyway=stopping)
+            window_paused += time.perf_counter() - roles_start
+            if stopping:
+                raise Preempted(f"stopped by signal {stop_flag.signal} at step {step}")
+
+        def at_end(e: Every) -> bool:
+            return e.at_end and step % e.steps != 0 and (e is not checkpoint or step != start_step)
+
+        roles(step, state, at_end)
     return state, step, time.perf_counter() - start
+
+
+def _run_due(
+    step: int,
+    state: Any,
+    due: Callable[[Every], bool],
+    log: Callable[[int, dict[str, float]], None],
+    evaluate: Every | None,
+    checkpoint: Every | None,
+    save_anyway: bool = False,
+) -> None:
+    """Evaluate and then checkpoint with that evaluation's metrics, each when it is `due`."""
+    evaluation = None
+    if evaluate is not None and due(evaluate):
+        evaluation = evaluate.fn(step, state)
+        if evaluation:
+            log(step, evaluation)
+    if checkpoint is not None and (save_anyway or due(checkpoint)):
+        checkpoint.fn(step, state, evaluation)
 
 
 class NonFiniteLoss(UserError):

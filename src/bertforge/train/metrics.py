@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+from scipy import stats
 
 # name -> True when larger is better
 HIGHER_IS_BETTER = {
@@ -17,21 +18,12 @@ HIGHER_IS_BETTER = {
 }
 
 
-def _ranks(x: np.ndarray) -> np.ndarray:
-    """Ranks from 1, ties sharing their average rank (what Spearman's correlation needs)."""
-    order = np.argsort(x, kind="stable")
-    ranks = np.empty(len(x), np.float64)
-    ranks[order] = np.arange(1, len(x) + 1)
-    values, inverse = np.unique(x, return_inverse=True)
-    sums = np.bincount(inverse, weights=ranks)
-    counts = np.bincount(inverse)
-    return (sums / counts)[inverse]
-
-
-def _pearson(a: np.ndarray, b: np.ndarray) -> float:
-    a, b = a - a.mean(), b - b.mean()
-    denom = np.sqrt((a * a).sum() * (b * b).sum())
-    return float((a * b).sum() / denom) if denom > 0 else float("nan")
+def _correlation(kind: str, a: np.ndarray, b: np.ndarray) -> float:
+    """Pearson's or Spearman's correlation; NaN where it is undefined (fewer than 2 rows, a constant column)."""
+    if len(a) < 2 or np.ptp(a) == 0 or np.ptp(b) == 0:
+        return float("nan")
+    fn = stats.pearsonr if kind == "pearson" else stats.spearmanr
+    return float(fn(a, b).statistic)
 
 
 def regression(pred: np.ndarray, target: np.ndarray) -> dict[str, float]:
@@ -43,8 +35,8 @@ def regression(pred: np.ndarray, target: np.ndarray) -> dict[str, float]:
     return {
         "rmse": float(np.sqrt(np.mean(err**2))),
         "mae": float(np.mean(np.abs(err))),
-        "pearson": float(np.mean([_pearson(pred[:, j], target[:, j]) for j in cols])),
-        "spearman": float(np.mean([_pearson(_ranks(pred[:, j]), _ranks(target[:, j])) for j in cols])),
+        "pearson": float(np.mean([_correlation("pearson", pred[:, j], target[:, j]) for j in cols])),
+        "spearman": float(np.mean([_correlation("spearman", pred[:, j], target[:, j]) for j in cols])),
     }
 
 
@@ -54,7 +46,7 @@ def binary_auc(score: np.ndarray, positive: np.ndarray) -> float:
     n_pos, n_neg = int(positive.sum()), int((~positive).sum())
     if n_pos == 0 or n_neg == 0:
         return float("nan")
-    ranks = _ranks(np.asarray(score, np.float64))
+    ranks = stats.rankdata(np.asarray(score, np.float64))  # ties share their average rank
     return float((ranks[positive].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
 
 

@@ -126,8 +126,5 @@ def make_optimizer(cfg: OptimConfig, params: Any = None, num_layers: int = 0) ->
 
 
 def set_learning_rate(opt_state: Any, lr: jax.Array) -> Any:
-    """The optimizer state with this step's learning rate (the state is (clip, injected adamw[, factors]))."""
-    adam_state = opt_state[1]
-    hyper = dict(adam_state.hyperparams)
-    hyper["learning_rate"] = lr
-    return (opt_state[0], adam_state._replace(hyperparams=hyper), *opt_state[2:])
+    """The optimizer state with this step's learning rate, set by its hyperparameter's name."""
+    return optax.tree_utils.tree_set(opt_state, learning_rate=lr)

@@ -148,7 +148,7 @@ def apply_update(
     state: TrainState, grads: Any, loss: jax.Array, lr: jax.Array, tx: Any
 ) -> tuple[TrainState, jax.Array, jax.Array]:
     """One optimizer update; a non-finite loss or gradient leaves the state as it was. -> (state, norm, finite)."""
-    grad_norm = optax.global_norm(grads)
+    grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 
     def update() -> TrainState:

@@ -1,0 +1,110 @@
+"""A labelled table for fine-tuning: texts (or text pairs) with targets, read from CSV, TSV, JSONL or Parquet and
+checked value by value, so that a bad row is named before anything trains."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+from bertforge.data import tabular
+from bertforge.data.batching import BUCKET
+from bertforge.errors import UserError
+from bertforge.tokenizer import TRUNCATIONS, Truncation
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    train: str = ""  # training table: CSV, TSV, JSONL or Parquet, local or fsspec URL
+    valid: str = ""  # a separate validation table instead of folds
+    text_column: str = "text"
+    text_pair_column: str | None = None
+    target_columns: tuple[str, ...] = ("target",)  # one per output; several 0/1 columns for multilabel
+    id_column: str | None = None  # default: 'id' when the table has it
+    group_column: str | None = None  # rows sharing a value stay in one fold
+    error_column: str | None = None  # standard error of the target: rows weighted by 1 / error^2
+    max_length: int = 256  # tokens per text
+    truncation: Truncation = "head"
+    bucket: int = BUCKET  # pad batches to a multiple of this; 0 pads every batch to max_length
+    quoted_tsv: bool = False  # .tsv tables written with CSV quoting; by default a TSV has none and '"' is text
+
+    def __post_init__(self) -> None:
+        if self.truncation not in TRUNCATIONS:
+            raise ValueError(f"truncation {self.truncation!r} is not one of {', '.join(TRUNCATIONS)}")
+        if not self.target_columns:
+            raise ValueError("target_columns is empty")
+        if self.max_length < 2 or self.bucket < 0:
+            raise ValueError("max_length must be at least 2 and bucket at least 0")
+
+
+@dataclasses.dataclass
+class Table:
+    path: str
+    texts: list[str]
+    pairs: list[str] | None
+    targets: np.ndarray  # (N, L) float32, or (N,) int32 class indices
+    labels: list[str] | None  # classification: each row's class as written
+    weights: np.ndarray  # (N,) float32
+    ids: list[str] | None
+    groups: list[str] | None
+
+    def __len__(self) -> int:
+        return len(self.texts)
+
+    def row_ids(self) -> list[str]:
+        """The id column's values, or row numbers from 0 when the table has none."""
+        return self.ids or [str(i) for i in range(len(self))]
+
+
+def read_table(path: str, cfg: DataConfig, task: str, classes: Sequence[str] | None = None) -> Table:
+    """A training or validation table of `task` with every value checked; errors name the file, row and column.
+    A validation table takes the training table's `classes`."""
+    columns, rows = tabular.read_table(path, quoted_tsv=cfg.quoted_tsv)
+    if not rows:
+        raise UserError(f"{path}: no rows")
+    texts = tabular.text_column(path, columns, rows, cfg.text_column)
+    pairs = tabular.text_column(path, columns, rows, cfg.text_pair_column) if cfg.text_pair_column else None
+    labels = None
+    if task == "classification":
+        if len(cfg.target_columns) != 1:
+            raise UserError(f"classification takes one target column, got {', '.join(cfg.target_columns)}")
+        labels = tabular.label_column(path, columns, rows, cfg.target_columns[0])
+        known = list(classes) if classes is not None else sorted_classes(labels)
+        index = {c: i for i, c in enumerate(known)}
+        for i, label in enumerate(labels):
+            if label not in index:
+                raise UserError(
+                    f"{path}: row {i + 1}: class '{label}' in column '{cfg.target_columns[0]}' never occurs in the "
+                    f"training data ({', '.join(known)})"
+                )
+        targets = np.array([index[label] for label in labels], np.int32)
+    else:
+        targets = np.stack([tabular.numeric_column(path, columns, rows, c) for c in cfg.target_columns], axis=1)
+        if task == "multilabel":
+            bad = np.argwhere((targets != 0) & (targets != 1))
+            if len(bad):
+                i, j = bad[0]
+                raise UserError(f"{path}: row {i + 1}: column '{cfg.target_columns[j]}' must be 0 or 1")
+        targets = targets.astype(np.float32)
+    weights = np.ones(len(rows), np.float32)
+    if cfg.error_column:
+        errors = tabular.numeric_column(path, columns, rows, cfg.error_column)
+        if np.any(errors < 0):
+            raise UserError(f"{path}: row {int(np.argmax(errors < 0)) + 1}: column '{cfg.error_column}' is negative")
+        floor = errors[errors > 0].min() if np.any(errors > 0) else 1.0
+        inverse = 1.0 / np.maximum(errors, floor) ** 2  # an error of 0 (an anchor row) counts like the smallest
+        weights = (inverse / inverse.mean()).astype(np.float32)
+    id_column = cfg.id_column or ("id" if "id" in columns else None)
+    ids = tabular.plain_column(path, columns, rows, id_column) if id_column else None
+    groups = tabular.plain_column(path, columns, rows, cfg.group_column) if cfg.group_column else None
+    return Table(path, texts, pairs, targets, labels, weights, ids, groups)
+
+
+def sorted_classes(labels: Sequence[str]) -> list[str]:
+    """The classes in `labels`, in numeric order when they are all numbers."""
+    unique = sorted(set(labels))
+    try:
+        return sorted(unique, key=float)
+    except ValueError:
+        return unique

@@ -1,0 +1,71 @@
+"""Building blocks every architecture uses: dense layers, LayerNorm and embedding tables with logical axis names,
+and sinusoidal position tables. Parameters are float32 whatever the compute dtype."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from bertforge.model.config import ModelConfig
+
+
+def axes(*names: str | None) -> dict[str, Any]:
+    """Variable metadata giving a parameter's logical axis names (parallel.py maps them onto the mesh)."""
+    # Eager sharding off so that a model builds without a mesh (parallel.py shards it).
+    return {"out_sharding": names, "eager_sharding": False}
+
+
+def dense(cfg: ModelConfig, din: int, dout: int, names: tuple[str | None, str | None], rngs: nnx.Rngs) -> nnx.Linear:
+    """A (din, dout) linear layer computing in cfg's dtype, its kernel's axes named `names`."""
+    return nnx.Linear(
+        din,
+        dout,
+        dtype=cfg.compute_dtype,
+        param_dtype=jnp.float32,
+        # bf16 products accumulate in float32, not in bf16: more exact.
+        preferred_element_type=jnp.float32,
+        kernel_init=nnx.initializers.normal(cfg.initializer_range),
+        kernel_metadata=axes(*names),
+        bias_metadata=axes(names[1]),
+        rngs=rngs,
+    )
+
+
+def layer_norm(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.LayerNorm:
+    """LayerNorm over the hidden size."""
+    # Statistics in float32 whatever the compute dtype.
+    return nnx.LayerNorm(
+        cfg.hidden_size,
+        epsilon=cfg.layer_norm_eps,
+        dtype=jnp.float32,
+        param_dtype=jnp.float32,
+        use_fast_variance=False,
+        scale_metadata=axes("embed"),
+        bias_metadata=axes("embed"),
+        rngs=rngs,
+    )
+
+
+def embed(cfg: ModelConfig, rows: int, axis: str, rngs: nnx.Rngs) -> nnx.Embed:
+    """A (rows, D) embedding table, its first axis named `axis`."""
+    return nnx.Embed(
+        rows,
+        cfg.hidden_size,
+        param_dtype=jnp.float32,
+        embedding_init=nnx.initializers.normal(cfg.initializer_range),
+        embedding_metadata=axes(axis, "embed"),
+        rngs=rngs,
+    )
+
+
+def sinusoids(rows: int, dim: int, std: float) -> jax.Array:
+    """(rows, dim) table: sin and cos of position / 10000^(2i/dim) interleaved, scaled to standard deviation `std`."""
+    pos = jnp.arange(rows, dtype=jnp.float32)[:, None]
+    freq = 10000.0 ** (-jnp.arange(0, dim, 2, dtype=jnp.float32) / dim)  # (dim/2,)
+    angle = pos * freq  # (rows, dim/2)
+    table = jnp.stack([jnp.sin(angle), jnp.cos(angle)], axis=-1).reshape(rows, -1)[:, :dim]
+    return table * (std * math.sqrt(2.0))  # sin and cos have variance 1/2 over positions

@@ -1,0 +1,255 @@
+"""Attention implementations against the plain formula, the rule that picks one, and the one mask constant."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from bertforge.model import attention as attn
+from bertforge.model import heads
+from bertforge.model.bert import build
+from bertforge.model.config import ModelConfig, config_to_hf, preset
+from bertforge.model.hf import load_pretrained, save_pretrained
+
+B, T, N, H = 4, 8, 2, 16
+LENGTHS = (8, 5, 2, 0)  # a full row, two partly padded rows, one all-padding filler row
+MODEL_DIR = Path(attn.__file__).parent
+
+
+def inputs(q_len: int = T, dtype=jnp.float32):
+    """q (B, Q, N, H), k, v (B, T, N, H), mask (B, 1, 1, T) padded at the end of each row, cotangent (B, Q, N, H)."""
+    rng = np.random.default_rng(0)
+    q, k, v, d_out = (
+        jnp.asarray(rng.standard_normal(shape), dtype)
+        for shape in ((B, q_len, N, H), (B, T, N, H), (B, T, N, H), (B, q_len, N, H))
+    )
+    mask = jnp.asarray(np.arange(T)[None, :] < np.asarray(LENGTHS)[:, None])[:, None, None, :]
+    return q, k, v, mask, d_out
+
+
+def formula(q, k, v, mask):
+    """softmax(q k^T / sqrt(H) + mask) v in float32 at the highest precision."""
+    q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+    hp = jax.lax.Precision.HIGHEST
+    logits = jnp.einsum("bqnh,btnh->bnqt", q, k, precision=hp) / np.sqrt(q.shape[-1])
+    probs = jax.nn.softmax(logits + jnp.where(mask, 0.0, attn.MASK_VALUE), axis=-1)
+    return jnp.einsum("bnqt,btnh->bqnh", probs, v, precision=hp)
+
+
+def forward_and_grads(fn, q, k, v, mask, d_out):
+    """fn's output and the gradients of sum(output * d_out) with respect to q, k, v, with float32 matmuls at full
+    precision (a GPU's default would round them to TF32)."""
+
+    def loss(q, k, v):
+        out = fn(q, k, v, mask)
+        return jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32)), out
+
+    with jax.default_matmul_precision("float32"):
+        (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    return out, grads
+
+
+def runs_here(name: str) -> bool:
+    return name != "cudnn" or jax.default_backend() == "gpu"
+
+
+def assert_matches(out, grads, want, want_grads, atol: float) -> None:
+    """Output and the v gradient on every row; q and k gradients on the rows with a valid key.
+
+    The filler row has no such gradient to match: the formula's additive mask is rounded away next to its logits
+    (-1e30 + x == -1e30 in float32) yet passes their gradients on, while a masking `where` (xla, explicit) cuts
+    them to 0. Training gives such rows no weight, so their gradients are 0 either way; here they must be finite."""
+    rows = [i for i, n in enumerate(LENGTHS) if n > 0]
+    (out, dq, dk, dv), (want, wq, wk, wv) = (
+        [np.asarray(x, np.float32) for x in xs] for xs in ((out, *grads), (want, *want_grads))
+    )
+    for x in (out, dq, dk, dv):
+        assert np.all(np.isfinite(x))
+    np.testing.assert_allclose(out, want, atol=atol)
+    np.testing.assert_allclose(dv, wv, atol=atol)
+    np.testing.assert_allclose(dq[rows], wq[rows], atol=atol)
+    np.testing.assert_allclose(dk[rows], wk[rows], atol=atol)
+
+
+@pytest.mark.parametrize("q_len", [T, 1])
+@pytest.mark.parametrize("name", ["custom", "xla", "explicit"])
+def test_implementation_equals_the_formula_with_padding(name, q_len):
+    q, k, v, mask, d_out = inputs(q_len)
+    out, grads = forward_and_grads(attn.IMPLEMENTATIONS[name], q, k, v, mask, d_out)
+    want, want_grads = forward_and_grads(formula, q, k, v, mask, d_out)
+    assert_matches(out, grads, want, want_grads, atol=1e-5)
+
+
+def test_explicit_with_dropout_rate_zero_equals_the_formula():
+    q, k, v, mask, d_out = inputs()
+    dropout = nnx.Dropout(0.0, rngs=nnx.Rngs(dropout=0))
+    key = jax.random.key(1)
+    out, grads = forward_and_grads(
+        lambda q, k, v, m: attn.explicit_attention(q, k, v, m, dropout, key), q, k, v, mask, d_out
+    )
+    want, want_grads = forward_and_grads(formula, q, k, v, mask, d_out)
+    assert_matches(out, grads, want, want_grads, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not runs_here("cudnn"), reason="cuDNN attention needs a GPU")
+@pytest.mark.parametrize("q_len", [T, 1])
+def test_cudnn_equals_the_formula_with_padding(q_len):
+    # cuDNN takes bfloat16 only: the formula runs in float32 from the same bfloat16 inputs. Outputs reach 2 and
+    # gradients 4, where one bfloat16 rounding (8 bits of mantissa) is up to 0.008 and 0.016; an H100 was measured
+    # at 0.005 and 0.016.
+    q, k, v, mask, d_out = inputs(q_len, jnp.bfloat16)
+    out, grads = forward_and_grads(attn.cudnn_attention, q, k, v, mask, d_out)
+    want, want_grads = forward_and_grads(formula, q, k, v, mask, d_out)
+    assert np.all(np.isfinite(np.asarray(out, np.float32)))  # the filler row included
+    rows = [i for i, n in enumerate(LENGTHS) if n > 0]  # cuDNN gives the filler row one key, the formula all keys
+    f32 = lambda x: np.asarray(x, np.float32)[rows]  # noqa: E731
+    np.testing.assert_allclose(f32(out), f32(want), atol=1e-2)
+    for got, expected in zip(grads, want_grads, strict=True):
+        np.testing.assert_allclose(f32(got), f32(expected), atol=3e-2)
+
+
+# ---------------------------------------------------------------------------------------------------- selection
+@pytest.mark.parametrize(
+    ("requested", "platform", "dropout", "dtype", "chosen"),
+    [
+        ("auto", "cpu", False, "float32", "custom"),
+        ("auto", "cpu", False, "bfloat16", "custom"),
+        ("auto", "gpu", False, "bfloat16", "cudnn"),
+        ("auto", "gpu", False, "float32", "xla"),  # cuDNN's fused kernel takes half precision only
+        ("auto", "tpu", False, "bfloat16", "xla"),
+        ("auto", "tpu", False, "float32", "xla"),
+        ("auto", "cpu", True, "float32", "explicit"),
+        ("auto", "gpu", True, "bfloat16", "explicit"),
+        ("cudnn", "gpu", True, "bfloat16", "explicit"),
+        ("xla", "tpu", True, "float32", "explicit"),
+        ("custom", "gpu", False, "bfloat16", "custom"),
+        ("xla", "cpu", False, "float32", "xla"),
+        ("cudnn", "gpu", False, "bfloat16", "cudnn"),
+        ("explicit", "tpu", False, "bfloat16", "explicit"),
+    ],
+)
+def test_choose_attention(requested, platform, dropout, dtype, chosen):
+    assert attn.choose_attention(requested, platform, dropout, dtype) == chosen
+    assert attn.choose_attention(requested, platform, dropout, dtype, head_dim=64) == chosen
+
+
+def test_auto_leaves_cudnn_for_head_sizes_it_does_not_take():
+    assert attn.choose_attention("auto", "gpu", False, "bfloat16", head_dim=128) == "cudnn"
+    assert attn.choose_attention("auto", "gpu", False, "bfloat16", head_dim=20) == "xla"  # not a multiple of 8
+    assert attn.choose_attention("auto", "gpu", False, "bfloat16", head_dim=256) == "xla"  # only Hopper takes it
+
+
+def test_unknown_or_impossible_attention_is_refused():
+    with pytest.raises(ValueError, match="attention 'flash' is not one of auto, custom, xla, cudnn, explicit"):
+        ModelConfig(attention="flash")
+    with pytest.raises(ValueError, match="attention 'cudnn' needs dtype bfloat16 .* this model has float32"):
+        ModelConfig(attention="cudnn", dtype="float32")
+    with pytest.raises(ValueError, match="attention 'cudnn' needs .* heads of 20"):
+        ModelConfig(attention="cudnn", dtype="bfloat16", hidden_size=40, num_heads=2)
+    assert ModelConfig(attention="cudnn", dtype="bfloat16").attention == "cudnn"
+    with pytest.raises(ValueError, match="attention 'cudnn' needs an NVIDIA GPU; this program runs on cpu"):
+        attn.choose_attention("cudnn", "cpu", False, "bfloat16")
+
+
+def _model_inputs():
+    ids = jnp.asarray(np.random.default_rng(0).integers(5, 1000, (3, 12)))
+    mask = jnp.asarray(np.arange(12)[None, :] < np.array([[12], [7], [3]])).astype(jnp.int32)
+    return ids, mask
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU's choice")
+def test_auto_runs_the_custom_path_on_cpu(monkeypatch):
+    calls = []
+    for name, fn in list(attn.IMPLEMENTATIONS.items()):
+        spy = lambda *a, _name=name, _fn=fn, **kw: calls.append(_name) or _fn(*a, **kw)  # noqa: E731
+        monkeypatch.setitem(attn.IMPLEMENTATIONS, name, spy)
+    explicit = attn.explicit_attention
+    monkeypatch.setattr(attn, "explicit_attention", lambda *a: calls.append("explicit") or explicit(*a))
+    cfg = preset("test")
+    assert cfg.attention == "auto"
+    model = build(cfg)
+    ids, mask = _model_inputs()
+    model.eval()
+    jaxpr = str(jax.make_jaxpr(lambda ids, mask: model(ids, mask))(ids, mask))
+    assert calls == ["custom"] * cfg.num_layers
+    assert "custom_vjp_call" in jaxpr  # the hand-written backward is in the program
+    calls.clear()
+    model.train()  # attention dropout 0.1: the explicit path
+    model(ids, mask)
+    assert calls == ["explicit"] * cfg.num_layers
+
+
+def test_model_outputs_agree_across_implementations():
+    cfg = dataclasses.replace(preset("test"), hidden_dropout=0.0, attention_dropout=0.0)
+    ids, mask = _model_inputs()
+    outputs = {}
+    for name in ("custom", "xla", "explicit"):
+        model = build(dataclasses.replace(cfg, attention=name), head="sequence", num_labels=2)
+        model.eval()
+        outputs[name] = np.asarray(model(ids, mask))
+    for name in ("xla", "explicit"):
+        np.testing.assert_allclose(outputs[name], outputs["custom"], atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not runs_here("cudnn"), reason="cuDNN attention needs a GPU")
+@pytest.mark.parametrize("seq_len", [12, 11])
+def test_bf16_model_on_cudnn_stays_close_to_custom(seq_len):
+    # A [CLS] head: the last layer's one query is odd-sized for cuDNN, as is an odd sequence length.
+    cfg = dataclasses.replace(preset("test"), dtype="bfloat16", hidden_dropout=0.0, attention_dropout=0.0)
+    ids, mask = (x[:, :seq_len] for x in _model_inputs())
+    losses, grads = {}, {}
+    for name in ("custom", "cudnn"):
+        model = build(dataclasses.replace(cfg, attention=name), head="sequence", num_labels=2)
+        model.train()
+        losses[name], g = nnx.value_and_grad(lambda m: jnp.sum(m(ids, mask) ** 2))(model)
+        grads[name] = np.concatenate([np.ravel(x) for x in jax.tree.leaves(g)])
+    # bf16 matmuls in both, rounded in different places: agreement to a few bf16 steps (2^-8 relative).
+    assert float(losses["cudnn"]) == pytest.approx(float(losses["custom"]), rel=0.02)
+    diff = np.linalg.norm(grads["cudnn"] - grads["custom"]) / np.linalg.norm(grads["custom"])
+    assert diff < 0.02
+
+
+def test_attention_is_not_written_to_config_json_and_loads_from_overrides(tmp_path):
+    cfg = dataclasses.replace(preset("test"), attention="xla")
+    assert "attention" not in config_to_hf(cfg, "mlm")
+    folder = save_pretrained(build(cfg), tmp_path / "m")
+    assert "attention" not in json.loads((folder / "config.json").read_text())
+    assert load_pretrained(folder, need_tokenizer=False).model.config.attention == "auto"
+    loaded = load_pretrained(folder, need_tokenizer=False, overrides={"attention": "explicit"})
+    assert loaded.model.config.attention == "explicit"
+
+
+# ---------------------------------------------------------------------------------------------------- mask value
+def test_one_mask_constant_in_the_model_package():
+    # Any other large negative literal, finfo minimum or -inf in model code would be a second mask value.
+    other = re.compile(r"-\s*\d+(\.\d*)?e\+?\d+|finfo\([^)]*\)\.min|-\s*(jnp|np|math)\.inf|float\(\s*['\"]-inf")
+    found = []
+    for path in sorted(MODEL_DIR.glob("*.py")):
+        for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if other.search(line) and not line.startswith("MASK_VALUE = "):
+                found.append(f"{path.name}:{i}: {line.strip()}")
+    assert not found
+    assert heads.MASK_VALUE is attn.MASK_VALUE
+
+
+def test_attention_pooling_masks_with_the_constant():
+    cfg = dataclasses.replace(preset("test"), pooling="attention", hidden_dropout=0.0)
+    head = heads.SequenceHead(cfg, 1, rngs=nnx.Rngs(0))
+    hidden = jnp.asarray(np.random.default_rng(0).standard_normal((2, 5, cfg.hidden_size)), jnp.float32)
+    valid = jnp.asarray([[1, 1, 1, 0, 0], [0, 0, 0, 0, 0]])
+    scores = hidden @ head.score[...]  # (B, T)
+    weights = jax.nn.softmax(jnp.where(valid.astype(bool), scores, attn.MASK_VALUE), axis=-1)
+    want = jnp.einsum("bt,btd->bd", weights, hidden)
+    pooled = head.pool(hidden, valid)
+    np.testing.assert_allclose(pooled, want, atol=1e-6)
+    np.testing.assert_allclose(pooled[1], hidden[1].mean(axis=0), atol=1e-6)  # no valid token: uniform, finite
