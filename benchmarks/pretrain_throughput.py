@@ -42,7 +42,7 @@ def run_bertforge(preset: str, batch: int, seq_len: int, steps: int, sparse: boo
 
     from bertforge.bench.flops import device_peak_flops, train_flops_per_token
     from bertforge.data.masking import MaskingSpec
-    from bertforge.model.bert import build
+    from bertforge.model.architectures import build
     from bertforge.model.config import preset as get_preset
     from bertforge.train.optim import OptimConfig, make_optimizer
     from bertforge.train.step import StepConfig, TrainState, prediction_capacity, train_step

@@ -60,7 +60,7 @@ def bpe_dir(corpus, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def model_dir(wordpiece_dir, tmp_path_factory) -> Path:
     """The `test` preset, freshly initialised, without dropout, with the test tokenizer."""
-    from bertforge.model.bert import build
+    from bertforge.model.architectures import build
     from bertforge.model.config import preset
     from bertforge.model.hf import save_pretrained
     from bertforge.tokenizer import BertTokenizer

@@ -15,8 +15,8 @@ from flax import nnx
 
 from bertforge.model import attention as attn
 from bertforge.model import heads
-from bertforge.model.bert import build
-from bertforge.model.config import ModelConfig, config_to_hf, preset
+from bertforge.model.architectures import build, config_to_hf
+from bertforge.model.config import ModelConfig, preset
 from bertforge.model.hf import load_pretrained, save_pretrained
 
 B, T, N, H = 4, 8, 2, 16

@@ -18,7 +18,7 @@ from flax import nnx
 from bertforge.cli import main as cli
 from bertforge.data.batching import bucket_length, epoch_batches
 from bertforge.data.folds import assign_folds, bin_targets, sturges_bins
-from bertforge.model.bert import build
+from bertforge.model.architectures import build
 from bertforge.model.config import preset
 from bertforge.model.hf import load_pretrained, save_pretrained
 from bertforge.parallel import make_mesh

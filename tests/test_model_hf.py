@@ -25,7 +25,7 @@ from transformers import (
 
 from bertforge.data.batching import pad_batch
 from bertforge.errors import UserError
-from bertforge.model.bert import build
+from bertforge.model.architectures import build
 from bertforge.model.config import preset
 from bertforge.model.hf import load_pretrained, save_pretrained
 

@@ -8,7 +8,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from bertforge.model.bert import build
+from bertforge.model.architectures import build
 from bertforge.model.config import preset
 from bertforge.parallel import batch_sharding, make_mesh, param_shardings, shard_model
 

@@ -12,7 +12,7 @@ from test_pretrain import config, losses, params_of
 
 from bertforge.cli import main as cli
 from bertforge.config import from_dict
-from bertforge.model.bert import build
+from bertforge.model.architectures import build
 from bertforge.model.config import preset
 from bertforge.parallel import make_mesh, param_shardings
 from bertforge.tasks import plan, pretrain

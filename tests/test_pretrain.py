@@ -257,7 +257,7 @@ def test_schedules_in_closed_form():
 
 
 def test_weight_decay_skips_biases_and_layernorm():
-    from bertforge.model.bert import build
+    from bertforge.model.architectures import build
     from bertforge.model.config import preset
 
     model = build(preset("test"), "mlm")
@@ -270,7 +270,7 @@ def test_weight_decay_skips_biases_and_layernorm():
 
 
 def test_adamw_decays_matrices_only():
-    from bertforge.model.bert import build
+    from bertforge.model.architectures import build
     from bertforge.model.config import preset
     from bertforge.train.optim import make_optimizer, set_learning_rate
 

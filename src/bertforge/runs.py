@@ -45,8 +45,9 @@ from bertforge.config import from_dict, read_yaml, to_dict
 from bertforge.data import tabular
 from bertforge.errors import UserError
 from bertforge.fileio import read_json_object, write_atomic
-from bertforge.model.bert import MaskedLM, build, key_table
+from bertforge.model.architectures import build, key_table
 from bertforge.model.config import ModelConfig
+from bertforge.model.heads import MaskedLM
 from bertforge.model.hf import Pretrained, load_pretrained
 from bertforge.tokenizer import BertTokenizer
 from bertforge.train.checkpoint import DAMAGED, Checkpoints

@@ -8,17 +8,19 @@ Shapes: B batch, T tokens, D hidden, N heads, H head dim, F feed-forward, V voca
 
 from __future__ import annotations
 
+import re
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from bertforge.errors import UserError
 from bertforge.model.attention import attend
-from bertforge.model.config import ACTIVATIONS, ModelConfig
+from bertforge.model.config import ACTIVATIONS, FAMILIES, ModelConfig, read_fields, write_fields
 from bertforge.model.heads import MlmHead, SequenceHead
 from bertforge.model.keys import Row, layernorm_rows, linear_rows
 from bertforge.model.layers import dense, embed, layer_norm, sinusoids
-
-Ids = jax.Array | None  # (B, T) attention mask or token types; None: all ones, all zeros
 
 
 def position_ids(cfg: ModelConfig, input_ids: jax.Array) -> jax.Array:
@@ -126,6 +128,9 @@ class Encoder(nnx.Module):
         self.embeddings = Embeddings(cfg, rngs=rngs)
         self.layers = nnx.List([Layer(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
 
+    def word_embedding(self) -> jax.Array:
+        return self.embeddings.word.embedding[...]  # (V, D)
+
     def __call__(
         self,
         input_ids: jax.Array,
@@ -146,47 +151,13 @@ class Encoder(nnx.Module):
         return x
 
 
-class MaskedLM(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        self.config = cfg
-        self.encoder = Encoder(cfg, rngs=rngs)
-        self.mlm = MlmHead(cfg, rngs=rngs)
-
-    def logits_at(self, hidden: jax.Array) -> jax.Array:
-        """MLM logits for any selection of hidden states (..., D) -> (..., V), e.g. only the masked positions."""
-        return self.mlm(hidden, self.encoder.embeddings.word.embedding[...])
-
-    def __call__(self, input_ids: jax.Array, attention_mask: Ids = None, token_type_ids: Ids = None) -> jax.Array:
-        """(B, T) -> (B, T, V) float32 logits."""
-        return self.logits_at(self.encoder(input_ids, attention_mask, token_type_ids))
+def mlm_head(cfg: ModelConfig, rngs: nnx.Rngs) -> MlmHead:
+    # RoBERTa's head always uses exact GELU; BERT's follows hidden_act.
+    return MlmHead(cfg, act="gelu" if cfg.flavor == "roberta" else cfg.hidden_act, rngs=rngs)
 
 
-class SequenceClassifier(nnx.Module):
-    def __init__(self, cfg: ModelConfig, num_labels: int, *, rngs: nnx.Rngs):
-        if num_labels < 1:
-            raise ValueError(f"num_labels must be positive, got {num_labels}")
-        self.config = cfg
-        self.num_labels = num_labels
-        self.encoder = Encoder(cfg, rngs=rngs)
-        self.head = SequenceHead(cfg, num_labels, rngs=rngs)
-
-    def __call__(self, input_ids: jax.Array, attention_mask: Ids = None, token_type_ids: Ids = None) -> jax.Array:
-        """(B, T) -> (B, L) float32: regression values when L == 1, else class logits."""
-        if attention_mask is None:
-            attention_mask = jnp.ones_like(input_ids)
-        # A [CLS] head needs one token of the last layer; computing only it is exact and saves most of that layer.
-        first_only = self.config.pooling == "cls"
-        return self.head(self.encoder(input_ids, attention_mask, token_type_ids, first_only), attention_mask)
-
-
-def build(cfg: ModelConfig, head: str = "mlm", num_labels: int = 1, seed: int = 0) -> MaskedLM | SequenceClassifier:
-    """A freshly initialised model: head 'mlm' or 'sequence'."""
-    rngs = nnx.Rngs(params=seed, dropout=seed + 1)
-    if head == "mlm":
-        return MaskedLM(cfg, rngs=rngs)
-    if head == "sequence":
-        return SequenceClassifier(cfg, num_labels, rngs=rngs)
-    raise ValueError(f"unknown head {head!r} (mlm or sequence)")
+def sequence_head(cfg: ModelConfig, num_labels: int, rngs: nnx.Rngs) -> SequenceHead:
+    return SequenceHead(cfg, num_labels, rngs=rngs, dropout_first=cfg.flavor == "roberta")
 
 
 # ------------------------------------------------------------------------------------------- Hugging Face names
@@ -236,7 +207,62 @@ def key_table(cfg: ModelConfig, head: str) -> list[Row]:
         rows += linear_rows("classifier.out_proj", ("head", "out"), True)
     else:
         raise ValueError(f"unknown head {head!r}")
-    if head == "sequence" and cfg.pooling == "attention":
-        # Not a transformers parameter: a bertforge folder with attention pooling is read back by bertforge.
-        rows += [Row("bertforge_pooling.score", ("head", "score"), False, True)]
     return rows
+
+
+# ------------------------------------------------------------------------------------------------------ config.json
+PRETRAINING_HEAD = "mlm"  # BertForPreTraining carries the MLM head (and a next-sentence head bertforge ignores)
+NATIVE_POOLINGS = ("cls",)  # what transformers' own sequence head pools
+# ModelConfig field -> config.json key, in BERT's and RoBERTa's config.json
+HF_FIELDS = {
+    "vocab_size": "vocab_size",
+    "hidden_size": "hidden_size",
+    "num_layers": "num_hidden_layers",
+    "num_heads": "num_attention_heads",
+    "intermediate_size": "intermediate_size",
+    "max_position_embeddings": "max_position_embeddings",
+    "type_vocab_size": "type_vocab_size",
+    "layer_norm_eps": "layer_norm_eps",
+    "hidden_dropout": "hidden_dropout_prob",
+    "attention_dropout": "attention_probs_dropout_prob",
+    "classifier_dropout": "classifier_dropout",
+    "initializer_range": "initializer_range",
+    "pad_token_id": "pad_token_id",
+    "hidden_act": "hidden_act",
+}
+
+
+def hf_fields(data: dict[str, Any], flavor: str, source: str) -> dict[str, Any]:
+    """ModelConfig fields from a BERT-family config.json; an option bertforge does not implement is a UserError."""
+    pos = data.get("position_embedding_type", "absolute")
+    if pos != "absolute":
+        raise UserError(f"{source}: position_embedding_type={pos!r} is not supported (only 'absolute')")
+    fields = {"flavor": flavor, "pad_token_id": FAMILIES[flavor].pad_token_id}
+    return {**fields, **read_fields(data, HF_FIELDS)}
+
+
+def hf_config(cfg: ModelConfig, head: str) -> dict[str, Any]:
+    """config.json of a BERT or RoBERTa model of `head`, apart from the labels."""
+    family = FAMILIES[cfg.flavor]
+    arch = f"{family.hf_prefix}ForMaskedLM" if head == "mlm" else f"{family.hf_prefix}ForSequenceClassification"
+    return {
+        "architectures": [arch],
+        "model_type": cfg.flavor,
+        **write_fields(cfg, HF_FIELDS),
+        "position_embedding_type": "absolute",
+        "tie_word_embeddings": True,
+        **family.special_ids,
+    }
+
+
+def normalise_keys(tensors: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
+    """Checkpoint names as key_table spells them: old TF-converted checkpoints name LayerNorm weights gamma/beta;
+    bare encoders (BertModel) have no prefix."""
+    out = {}
+    for key, value in tensors.items():
+        key = re.sub(r"\.gamma$", ".weight", key)
+        key = re.sub(r"\.beta$", ".bias", key)
+        if key.startswith(("embeddings.", "encoder.", "pooler.")):
+            key = f"{cfg.flavor}.{key}"
+        out[key] = value
+    return out

@@ -18,11 +18,14 @@ ACTIVATIONS = {
     "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
     "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
     "relu": jax.nn.relu,
+    "tanh": jnp.tanh,
     "silu": jax.nn.silu,
     "swish": jax.nn.silu,
 }
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-FLAVORS = ("bert", "roberta")
+# Architectures, by the name of their Hugging Face model_type; each has its file in bertforge/model (RoBERTa is
+# bert.py's second configuration). model/architectures.py maps each to its file.
+FLAVORS = ("bert", "roberta", "deberta-v2", "modernbert", "electra", "distilbert")
 POOLINGS = ("cls", "mean", "attention")
 POSITION_INITS = ("normal", "sinusoidal")
 
@@ -37,12 +40,15 @@ SIZE_LIMITS = {
     "intermediate_size": 262_144,
     "max_position_embeddings": 1_048_576,
     "type_vocab_size": 65_536,
+    "embedding_size": 65_536,
 }
+# Sizes that may be 0: DeBERTa-v3 and ModernBERT have no token-type table.
+ZERO_SIZES = ("type_vocab_size",)
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    flavor: str = "bert"  # "bert" or "roberta"
+    flavor: str = "bert"  # the architecture: bert, roberta, deberta-v2, modernbert, electra or distilbert
     vocab_size: int = 30522
     hidden_size: int = 768
     num_layers: int = 12
@@ -66,6 +72,35 @@ class ModelConfig:
     # The attention implementation (see model/attention.py): auto picks the fastest of the platform. A runtime
     # choice, not part of the weights: never written to config.json.
     attention: str = "auto"
+    # The sequence head's activation after its dense layer: tanh (BERT's pooler, RoBERTa), gelu (ELECTRA, DeBERTa's
+    # pooler_hidden_act, ModernBERT's classifier_activation), relu (DistilBERT).
+    classifier_act: str = "tanh"
+    # Width of the embedding table when it differs from hidden_size (ELECTRA, DeBERTa): a projection follows it.
+    # 0: the hidden size.
+    embedding_size: int = 0
+    # Biases: BERT has them everywhere; ModernBERT has none but the decoder's (its checkpoints say which).
+    attention_bias: bool = True
+    mlp_bias: bool = True
+    norm_bias: bool = True
+    classifier_bias: bool = True
+    decoder_bias: bool = True
+    # DeBERTa-v2/v3 (deberta.py): disentangled attention over log-bucketed relative positions.
+    relative_attention: bool = False
+    max_relative_positions: int = -1  # -1: max_position_embeddings
+    position_buckets: int = -1  # -1: no log buckets
+    pos_att_type: tuple[str, ...] = ()  # of "c2p", "p2c"
+    share_att_key: bool = False
+    position_biased_input: bool = True  # absolute position embeddings added to the input
+    norm_rel_ebd: str = "none"  # "layer_norm": the relative embeddings pass through a LayerNorm
+    conv_kernel_size: int = 0  # > 0: the v2 convolution layer after the first layer
+    conv_groups: int = 1
+    conv_act: str = "tanh"
+    # ModernBERT (modernbert.py): rotary positions, every global_attn_every_n_layers-th layer global, the others
+    # attending within a window of local_attention tokens.
+    global_rope_theta: float = 160_000.0
+    local_rope_theta: float = 10_000.0
+    local_attention: int = 128
+    global_attn_every_n_layers: int = 3
 
     def __post_init__(self) -> None:
         if self.flavor not in FLAVORS:
@@ -75,9 +110,17 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise ValueError(f"{name} must be an integer, got {value!r}")
-            if not 1 <= value <= limit:
+            low = 0 if name in ZERO_SIZES or name == "embedding_size" else 1
+            if not low <= value <= limit:
                 raise ValueError(f"{name} must be between 1 and {limit:,}, got {value:,}")
-        for name in ("layer_norm_eps", "initializer_range", "hidden_dropout", "attention_dropout"):
+        for name in (
+            "layer_norm_eps",
+            "initializer_range",
+            "hidden_dropout",
+            "attention_dropout",
+            "global_rope_theta",
+            "local_rope_theta",
+        ):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
                 raise ValueError(f"{name} must be a number, got {value!r}")
@@ -85,8 +128,9 @@ class ModelConfig:
             raise ValueError(f"pad_token_id must be an integer, got {self.pad_token_id!r}")
         if self.hidden_size % self.num_heads:
             raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
-        if self.hidden_act not in ACTIVATIONS:
-            raise ValueError(f"hidden_act {self.hidden_act!r} is not one of {', '.join(ACTIVATIONS)}")
+        for name in ("hidden_act", "classifier_act", "conv_act"):
+            if getattr(self, name) not in ACTIVATIONS:
+                raise ValueError(f"{name} {getattr(self, name)!r} is not one of {', '.join(ACTIVATIONS)}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
         if self.pooling not in POOLINGS:
@@ -111,10 +155,18 @@ class ModelConfig:
 
     @property
     def max_seq_len(self) -> int:
-        """The longest input the position table holds (RoBERTa spends pad_token_id + 1 rows on its offset)."""
+        """The longest input the positions allow (RoBERTa spends pad_token_id + 1 rows of its table on an offset;
+        DeBERTa without absolute positions has only relative ones, which clamp at any distance)."""
+        if self.flavor == "deberta-v2" and not self.position_biased_input:
+            return SIZE_LIMITS["max_position_embeddings"]
         if self.flavor == "roberta":
             return self.max_position_embeddings - self.pad_token_id - 1
         return self.max_position_embeddings
+
+    @property
+    def embed_dim(self) -> int:
+        """Width of the embedding table (embedding_size, or the hidden size)."""
+        return self.embedding_size or self.hidden_size
 
     @property
     def compute_dtype(self) -> Any:
@@ -158,6 +210,7 @@ class Family:
     type_vocab_size: int
     layer_norm_eps: float
     special_ids: dict[str, int] = dataclasses.field(default_factory=dict)  # more config.json keys
+    fields: dict[str, Any] = dataclasses.field(default_factory=dict)  # more ModelConfig fields of its recipe
 
     def apply(self, fields: dict[str, Any]) -> dict[str, Any]:
         """A BERT config's fields (e.g. a preset's) with this family's conventions, for the same sequence length."""
@@ -167,6 +220,7 @@ class Family:
             "max_position_embeddings": fields["max_position_embeddings"] + self.position_offset,
             "type_vocab_size": self.type_vocab_size,
             "layer_norm_eps": self.layer_norm_eps,
+            **self.fields,
         }
 
 
@@ -180,9 +234,57 @@ FAMILIES = {
         layer_norm_eps=1e-5,
         special_ids={"bos_token_id": 0, "eos_token_id": 2},
     ),
+    # DeBERTa-v3's: relative positions only, shared attention keys, 256 log buckets, no token types.
+    "deberta-v2": Family(
+        "DebertaV2",
+        pad_token_id=0,
+        position_offset=0,
+        type_vocab_size=0,
+        layer_norm_eps=1e-7,
+        fields={
+            "relative_attention": True,
+            "position_buckets": 256,
+            "pos_att_type": ("p2c", "c2p"),
+            "share_att_key": True,
+            "position_biased_input": False,
+            "norm_rel_ebd": "layer_norm",
+            "classifier_act": "gelu",
+        },
+    ),
+    # ModernBERT's: no biases but the decoder's, no dropout, pre-norm, RoPE, no token types.
+    "modernbert": Family(
+        "ModernBert",
+        pad_token_id=0,
+        position_offset=0,
+        type_vocab_size=0,
+        layer_norm_eps=1e-5,
+        fields={
+            "attention_bias": False,
+            "mlp_bias": False,
+            "norm_bias": False,
+            "classifier_bias": False,
+            "hidden_dropout": 0.0,
+            "attention_dropout": 0.0,
+            "classifier_act": "gelu",
+        },
+    ),
+    "electra": Family(
+        "Electra",
+        pad_token_id=0,
+        position_offset=0,
+        type_vocab_size=2,
+        layer_norm_eps=1e-12,
+        fields={"classifier_act": "gelu"},
+    ),
+    "distilbert": Family(
+        "DistilBert",
+        pad_token_id=0,
+        position_offset=0,
+        type_vocab_size=0,
+        layer_norm_eps=1e-12,
+        fields={"classifier_act": "relu"},
+    ),
 }
-# model_type -> flavor; XLM-R and CamemBERT are RoBERTa's architecture with other vocabularies.
-MODEL_TYPES = {"bert": "bert", "roberta": "roberta", "xlm-roberta": "roberta", "camembert": "roberta"}
 
 
 # ------------------------------------------------------------------------------------------------------ presets
@@ -219,93 +321,16 @@ class HeadInfo:
     problem_type: str | None
 
 
-def config_from_hf(data: dict[str, Any], source: str) -> tuple[ModelConfig, HeadInfo]:
-    """A Hugging Face config.json (as a dict) -> ModelConfig and what it says of the head."""
-    model_type = data.get("model_type")
-    if model_type not in MODEL_TYPES:
-        arch = ", ".join(data.get("architectures") or []) or "none given"
-        raise UserError(
-            f"{source}: unsupported architecture model_type={model_type!r} (architectures: {arch}); "
-            f"bertforge loads {', '.join(MODEL_TYPES)}"
-        )
-    pos = data.get("position_embedding_type", "absolute")
-    if pos != "absolute":
-        raise UserError(f"{source}: position_embedding_type={pos!r} is not supported (only 'absolute')")
-    act = data.get("hidden_act", "gelu")
-    if act not in ACTIVATIONS:
-        raise UserError(f"{source}: hidden_act={act!r} is not supported ({', '.join(ACTIVATIONS)})")
-    flavor = MODEL_TYPES[model_type]
-    fields = {
-        "vocab_size": "vocab_size",
-        "hidden_size": "hidden_size",
-        "num_layers": "num_hidden_layers",
-        "num_heads": "num_attention_heads",
-        "intermediate_size": "intermediate_size",
-        "max_position_embeddings": "max_position_embeddings",
-        "type_vocab_size": "type_vocab_size",
-        "layer_norm_eps": "layer_norm_eps",
-        "hidden_dropout": "hidden_dropout_prob",
-        "attention_dropout": "attention_probs_dropout_prob",
-        "classifier_dropout": "classifier_dropout",
-        "initializer_range": "initializer_range",
-        "pad_token_id": "pad_token_id",
+def read_fields(data: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
+    """ModelConfig fields from config.json keys (`names`: field -> key); absent or null keys are left out, except
+    classifier_dropout, whose null means "hidden_dropout"."""
+    return {
+        ours: data[theirs]
+        for ours, theirs in names.items()
+        if theirs in data and (data[theirs] is not None or ours == "classifier_dropout")
     }
-    kwargs: dict[str, Any] = {"flavor": flavor, "hidden_act": act, "pooling": data.get("bertforge_pooling", "cls")}
-    for ours, theirs in fields.items():
-        if theirs in data and (data[theirs] is not None or ours == "classifier_dropout"):
-            kwargs[ours] = data[theirs]
-    if "pad_token_id" not in data:
-        kwargs["pad_token_id"] = FAMILIES[flavor].pad_token_id
-    try:
-        cfg = ModelConfig(**kwargs)
-    except (TypeError, ValueError) as e:
-        raise UserError(f"{source}: {e}") from None
-    archs = data.get("architectures") or []
-    head = None
-    if any(a.endswith("ForMaskedLM") or a.endswith("ForPreTraining") for a in archs):
-        head = "mlm"
-    elif any(a.endswith("ForSequenceClassification") for a in archs):
-        head = "sequence"
-    id2label = {int(k): str(v) for k, v in (data.get("id2label") or {}).items()}
-    num_labels = int(data.get("num_labels") or len(id2label) or 2)
-    if not id2label:
-        id2label = {i: f"LABEL_{i}" for i in range(num_labels)}
-    return cfg, HeadInfo(head, len(id2label), id2label, data.get("problem_type"))
 
 
-def config_to_hf(cfg: ModelConfig, head: str, id2label: dict[int, str] | None = None) -> dict[str, Any]:
-    """The config.json of a model of `head` ('mlm' or 'sequence'); runtime choices (dtype, remat, attention) stay
-    out of it."""
-    family = FAMILIES[cfg.flavor]
-    arch = f"{family.hf_prefix}ForMaskedLM" if head == "mlm" else f"{family.hf_prefix}ForSequenceClassification"
-    out: dict[str, Any] = {
-        "architectures": [arch],
-        "model_type": cfg.flavor,
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.hidden_size,
-        "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_heads,
-        "intermediate_size": cfg.intermediate_size,
-        "hidden_act": cfg.hidden_act,
-        "hidden_dropout_prob": cfg.hidden_dropout,
-        "attention_probs_dropout_prob": cfg.attention_dropout,
-        "classifier_dropout": cfg.classifier_dropout,
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "type_vocab_size": cfg.type_vocab_size,
-        "initializer_range": cfg.initializer_range,
-        "layer_norm_eps": cfg.layer_norm_eps,
-        "pad_token_id": cfg.pad_token_id,
-        "position_embedding_type": "absolute",
-        "tie_word_embeddings": True,
-        "dtype": "float32",
-    }
-    out.update(family.special_ids)
-    if head == "sequence":
-        labels = id2label or {0: "LABEL_0"}
-        out["id2label"] = {str(k): v for k, v in sorted(labels.items())}
-        out["label2id"] = {v: k for k, v in sorted(labels.items())}
-        if len(labels) == 1:
-            out["problem_type"] = "regression"
-        if cfg.pooling != "cls":
-            out["bertforge_pooling"] = cfg.pooling  # transformers' own heads always pool [CLS]
-    return out
+def write_fields(cfg: ModelConfig, names: dict[str, str]) -> dict[str, Any]:
+    """config.json keys from ModelConfig fields (`names`: field -> key)."""
+    return {theirs: getattr(cfg, ours) for ours, theirs in names.items()}

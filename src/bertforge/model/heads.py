@@ -1,7 +1,9 @@
-"""Task heads on top of an encoder's hidden states: the masked-LM head and the sequence (classification or
-regression) head with its poolings.
+"""Task heads on top of an encoder's hidden states (the masked-LM head, the sequence head with its poolings), and
+the two models every architecture builds from its encoder and these heads.
 
-Shapes: B batch, T tokens, D hidden, V vocabulary, L labels.
+An architecture's encoder (bert.py, deberta.py, ...) is called as encoder(input_ids, attention_mask,
+token_type_ids, first_only) -> (B, T, D) and gives its word embedding table as encoder.word_embedding() (V, E).
+Shapes: B batch, T tokens, D hidden, E embedding width, V vocabulary, L labels.
 """
 
 from __future__ import annotations
@@ -14,40 +16,57 @@ from bertforge.model.attention import MASK_VALUE
 from bertforge.model.config import ACTIVATIONS, ModelConfig
 from bertforge.model.layers import axes, dense, layer_norm
 
+Ids = jax.Array | None  # (B, T) attention mask or token types; None: all ones, all zeros
+
 
 class MlmHead(nnx.Module):
-    """Transform + vocabulary projection tied to the word embeddings, with its own bias."""
+    """dense (D -> E) + activation + LayerNorm, then the vocabulary projection tied to the word embeddings."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        act: str,
+        rngs: nnx.Rngs,
+        dense_bias: bool = True,
+        norm_bias: bool = True,
+        decoder_bias: bool = True,
+    ):
         self.cfg = cfg
-        self.dense = dense(cfg, cfg.hidden_size, cfg.hidden_size, ("embed", None), rngs)
-        self.norm = layer_norm(cfg, rngs)
-        self.bias = nnx.Param(jnp.zeros((cfg.vocab_size,), jnp.float32), **axes("vocab"))
+        self.act = act
+        self.dense = dense(cfg, cfg.hidden_size, cfg.embed_dim, ("embed", None), rngs, bias=dense_bias)
+        self.norm = layer_norm(cfg, rngs, size=cfg.embed_dim, bias=norm_bias)
+        if decoder_bias:
+            self.bias = nnx.Param(jnp.zeros((cfg.vocab_size,), jnp.float32), **axes("vocab"))
 
     def __call__(self, hidden: jax.Array, word_embedding: jax.Array) -> jax.Array:
-        """hidden (..., D), word_embedding (V, D) -> float32 logits (..., V)."""
-        # RoBERTa's head always uses exact GELU; BERT's follows hidden_act.
-        act = ACTIVATIONS["gelu" if self.cfg.flavor == "roberta" else self.cfg.hidden_act]
-        h = self.norm(act(self.dense(hidden))).astype(self.cfg.compute_dtype)
+        """hidden (..., D), word_embedding (V, E) -> float32 logits (..., V)."""
+        h = self.norm(ACTIVATIONS[self.act](self.dense(hidden))).astype(self.cfg.compute_dtype)
         emb = word_embedding.astype(self.cfg.compute_dtype)
-        logits = jnp.einsum("...d,vd->...v", h, emb, preferred_element_type=jnp.float32)
-        return logits + self.bias[...]
+        logits = jnp.einsum("...e,ve->...v", h, emb, preferred_element_type=jnp.float32)
+        return logits + self.bias[...] if hasattr(self, "bias") else logits
 
 
 class SequenceHead(nnx.Module):
-    """A pooled vector through dense + tanh to num_labels outputs (BERT's pooler + classifier, RoBERTa's head).
+    """A pooled vector through dense + cfg.classifier_act (+ LayerNorm for ModernBERT) to num_labels outputs:
+    BERT's pooler + classifier, and the classification heads of the other families.
 
     Pooling 'cls' takes the first token (what Hugging Face models do); 'mean' averages the tokens; 'attention'
-    weights them by a learned score, as many regression recipes do.
+    weights them by a learned score, as many regression recipes do. `dropout_first` puts a dropout before the dense
+    layer too (RoBERTa, ELECTRA, DeBERTa).
     """
 
-    def __init__(self, cfg: ModelConfig, num_labels: int, *, rngs: nnx.Rngs):
+    def __init__(
+        self, cfg: ModelConfig, num_labels: int, *, rngs: nnx.Rngs, dropout_first: bool = False, norm: bool = False
+    ):
         self.cfg = cfg
+        self.dropout_first = dropout_first
         rate = cfg.hidden_dropout if cfg.classifier_dropout is None else cfg.classifier_dropout
         if cfg.pooling == "attention":
             init = nnx.initializers.normal(cfg.initializer_range)
             self.score = nnx.Param(init(rngs.params(), (cfg.hidden_size,), jnp.float32), **axes("embed"))
-        self.dense = dense(cfg, cfg.hidden_size, cfg.hidden_size, ("embed", None), rngs)
+        self.dense = dense(cfg, cfg.hidden_size, cfg.hidden_size, ("embed", None), rngs, bias=cfg.classifier_bias)
+        self.norm = layer_norm(cfg, rngs, bias=cfg.norm_bias) if norm else None
         self.out = dense(cfg, cfg.hidden_size, num_labels, (None, None), rngs)
         self.dropout = nnx.Dropout(rate, rngs=rngs)
 
@@ -66,7 +85,54 @@ class SequenceHead(nnx.Module):
     def __call__(self, hidden: jax.Array, attention_mask: jax.Array) -> jax.Array:
         """hidden (B, T, D), attention_mask (B, T) -> float32 (B, L)."""
         x = self.pool(hidden, attention_mask)  # (B, D)
-        if self.cfg.flavor == "roberta":
+        if self.dropout_first:
             x = self.dropout(x)
-        x = self.dropout(jnp.tanh(self.dense(x)))
-        return self.out(x).astype(jnp.float32)
+        x = ACTIVATIONS[self.cfg.classifier_act](self.dense(x))
+        if self.norm is not None:
+            x = self.norm(x).astype(hidden.dtype)
+        return self.out(self.dropout(x)).astype(jnp.float32)
+
+
+class MaskedLM(nnx.Module):
+    """An encoder with the masked-LM head."""
+
+    task = "mlm"
+
+    def __init__(self, cfg: ModelConfig, encoder: nnx.Module, mlm: MlmHead):
+        self.config = cfg
+        self.encoder = encoder
+        self.mlm = mlm
+
+    def logits_at(self, hidden: jax.Array) -> jax.Array:
+        """MLM logits for any selection of hidden states (..., D) -> (..., V), e.g. only the masked positions."""
+        return self.mlm(hidden, self.encoder.word_embedding())
+
+    def __call__(self, input_ids: jax.Array, attention_mask: Ids = None, token_type_ids: Ids = None) -> jax.Array:
+        """(B, T) -> (B, T, V) float32 logits."""
+        return self.logits_at(self.encoder(input_ids, attention_mask, token_type_ids))
+
+
+class SequenceClassifier(nnx.Module):
+    """An encoder with a sequence head."""
+
+    task = "sequence"
+
+    def __init__(self, cfg: ModelConfig, num_labels: int, encoder: nnx.Module, head: SequenceHead):
+        if num_labels < 1:
+            raise ValueError(f"num_labels must be positive, got {num_labels}")
+        self.config = cfg
+        self.num_labels = num_labels
+        self.encoder = encoder
+        self.head = head
+
+    def __call__(self, input_ids: jax.Array, attention_mask: Ids = None, token_type_ids: Ids = None) -> jax.Array:
+        """(B, T) -> (B, L) float32: regression values when L == 1, else class logits."""
+        if attention_mask is None:
+            attention_mask = jnp.ones_like(input_ids)
+        # A [CLS] head needs one token of the last layer; encoders that can compute only it (exact, and most of
+        # that layer saved) do, the others return every token.
+        first_only = self.config.pooling == "cls"
+        return self.head(self.encoder(input_ids, attention_mask, token_type_ids, first_only), attention_mask)
+
+
+Model = MaskedLM | SequenceClassifier

@@ -1,6 +1,6 @@
 """Hugging Face folders in and out: config.json, safetensors weights, tokenizer files.
 
-Each architecture's key table (bert.key_table) maps every Hugging Face parameter name to a path in the NNX
+Each architecture's key table (architectures.key_table) maps every Hugging Face parameter name to a path in the NNX
 parameter tree, with a shape check on every tensor. Weights are read from safetensors only: pickled PyTorch files
 are refused, never opened.
 """
@@ -23,12 +23,12 @@ from safetensors.numpy import save as safetensors_bytes
 
 from bertforge.errors import UserError
 from bertforge.fileio import read_json_object, temp_folder_beside, write_atomic
-from bertforge.model.bert import MaskedLM, SequenceClassifier, build, key_table
-from bertforge.model.config import ModelConfig, config_from_hf, config_to_hf
+from bertforge.model.architectures import HEADS, build, config_from_hf, config_to_hf, key_table, normalise_keys
+from bertforge.model.config import ModelConfig
+from bertforge.model.heads import Model
 from bertforge.tokenizer import BertTokenizer
 
 PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
-HEADS = ("mlm", "sequence")
 
 
 # ------------------------------------------------------------------------------------------------------ weights
@@ -74,21 +74,7 @@ def read_weights(files: list[Path]) -> dict[str, np.ndarray]:
     return tensors
 
 
-def _normalise_keys(tensors: dict[str, np.ndarray], flavor: str) -> dict[str, np.ndarray]:
-    # Old TF-converted checkpoints name LayerNorm weights gamma/beta; bare encoders (BertModel) have no prefix.
-    out = {}
-    for key, value in tensors.items():
-        key = re.sub(r"\.gamma$", ".weight", key)
-        key = re.sub(r"\.beta$", ".bias", key)
-        if key.startswith(("embeddings.", "encoder.", "pooler.")):
-            key = f"{flavor}.{key}"
-        out[key] = value
-    return out
-
-
-def load_weights(
-    model: MaskedLM | SequenceClassifier, tensors: dict[str, np.ndarray], head: str, source: str
-) -> list[str]:
+def load_weights(model: Model, tensors: dict[str, np.ndarray], head: str, source: str) -> list[str]:
     """Copy Hugging Face tensors into `model` in place; returns the head parameters that were absent."""
     state = nnx.state(model, nnx.Param)
     flat = flatten_dict(nnx.to_pure_dict(state))
@@ -104,7 +90,7 @@ def check_weight_shapes(
     """The checks of load_weights against the shapes the config implies, before a model of that size exists."""
     # Presence first: tracing even an abstract model takes time that grows faster than its depth, so a config
     # naming more layers than the weights hold is refused from the key table alone.
-    _absent_head_weights(cfg, _normalise_keys(tensors, cfg.flavor), head, source)
+    _absent_head_weights(cfg, normalise_keys(tensors, cfg), head, source)
     abstract = nnx.eval_shape(lambda: build(cfg, head, num_labels=num_labels))
     _match_weights(cfg, flatten_dict(nnx.to_pure_dict(nnx.state(abstract, nnx.Param))), tensors, head, source)
 
@@ -122,7 +108,7 @@ def _absent_head_weights(cfg: ModelConfig, tensors: dict[str, np.ndarray], head:
 def _match_weights(cfg: ModelConfig, flat: dict, tensors: dict[str, np.ndarray], head: str, source: str) -> list[str]:
     """Put each tensor into `flat` (parameter path -> array or shape struct), checking shapes; returns the
     missing head parameters."""
-    tensors = _normalise_keys(tensors, cfg.flavor)
+    tensors = normalise_keys(tensors, cfg)
     missing_head = _absent_head_weights(cfg, tensors, head, source)
     for row in key_table(cfg, head):
         if row.hf not in tensors:
@@ -138,7 +124,7 @@ def _match_weights(cfg: ModelConfig, flat: dict, tensors: dict[str, np.ndarray],
     return missing_head
 
 
-def export_weights(model: MaskedLM | SequenceClassifier, head: str) -> dict[str, np.ndarray]:
+def export_weights(model: Model, head: str) -> dict[str, np.ndarray]:
     flat = flatten_dict(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
     out = {}
     for row in key_table(model.config, head):
@@ -150,7 +136,7 @@ def export_weights(model: MaskedLM | SequenceClassifier, head: str) -> dict[str,
 # ------------------------------------------------------------------------------------------------------ folders
 @dataclasses.dataclass
 class Pretrained:
-    model: MaskedLM | SequenceClassifier
+    model: Model
     tokenizer: BertTokenizer | None
     head: str
     id2label: dict[int, str]
@@ -251,7 +237,7 @@ def _with_overrides(cfg: ModelConfig, overrides: dict[str, Any], source: str) ->
 
 
 def save_pretrained(
-    model: MaskedLM | SequenceClassifier,
+    model: Model,
     out: str | os.PathLike,
     tokenizer: BertTokenizer | None = None,
     id2label: dict[int, str] | None = None,
@@ -264,7 +250,7 @@ def save_pretrained(
     none, and neither transformers nor bertforge loads it.
     """
     out = Path(out)
-    head = "mlm" if isinstance(model, MaskedLM) else "sequence"
+    head = model.task
     if head == "sequence":
         id2label = id2label or {i: f"LABEL_{i}" for i in range(model.num_labels)}
         if len(id2label) != model.num_labels:

@@ -19,11 +19,19 @@ def axes(*names: str | None) -> dict[str, Any]:
     return {"out_sharding": names, "eager_sharding": False}
 
 
-def dense(cfg: ModelConfig, din: int, dout: int, names: tuple[str | None, str | None], rngs: nnx.Rngs) -> nnx.Linear:
+def dense(
+    cfg: ModelConfig,
+    din: int,
+    dout: int,
+    names: tuple[str | None, str | None],
+    rngs: nnx.Rngs,
+    bias: bool = True,
+) -> nnx.Linear:
     """A (din, dout) linear layer computing in cfg's dtype, its kernel's axes named `names`."""
     return nnx.Linear(
         din,
         dout,
+        use_bias=bias,
         dtype=cfg.compute_dtype,
         param_dtype=jnp.float32,
         # bf16 products accumulate in float32, not in bf16: more exact.
@@ -35,11 +43,12 @@ def dense(cfg: ModelConfig, din: int, dout: int, names: tuple[str | None, str | 
     )
 
 
-def layer_norm(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.LayerNorm:
-    """LayerNorm over the hidden size."""
+def layer_norm(cfg: ModelConfig, rngs: nnx.Rngs, size: int | None = None, bias: bool = True) -> nnx.LayerNorm:
+    """LayerNorm over the hidden size (or `size`), with or without its bias."""
     # Statistics in float32 whatever the compute dtype.
     return nnx.LayerNorm(
-        cfg.hidden_size,
+        size or cfg.hidden_size,
+        use_bias=bias,
         epsilon=cfg.layer_norm_eps,
         dtype=jnp.float32,
         param_dtype=jnp.float32,
@@ -50,11 +59,11 @@ def layer_norm(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.LayerNorm:
     )
 
 
-def embed(cfg: ModelConfig, rows: int, axis: str, rngs: nnx.Rngs) -> nnx.Embed:
-    """A (rows, D) embedding table, its first axis named `axis`."""
+def embed(cfg: ModelConfig, rows: int, axis: str, rngs: nnx.Rngs, width: int | None = None) -> nnx.Embed:
+    """A (rows, D) embedding table (or (rows, width)), its first axis named `axis`."""
     return nnx.Embed(
         rows,
-        cfg.hidden_size,
+        width or cfg.hidden_size,
         param_dtype=jnp.float32,
         embedding_init=nnx.initializers.normal(cfg.initializer_range),
         embedding_metadata=axes(axis, "embed"),

@@ -17,7 +17,7 @@ from bertforge import runs
 from bertforge.data import tabular
 from bertforge.data.batching import BUCKET, bucket_length, by_length, pad_batch
 from bertforge.errors import UserError
-from bertforge.model.bert import MaskedLM, SequenceClassifier
+from bertforge.model.heads import MaskedLM, SequenceClassifier
 from bertforge.model.hf import Pretrained
 from bertforge.tokenizer import TRUNCATIONS, BertTokenizer, Encoded, Truncation
 

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Literal
 
 from bertforge.errors import UserError
-from bertforge.model.bert import build
+from bertforge.model.architectures import build
 from bertforge.model.config import ModelConfig, preset
 from bertforge.model.hf import save_pretrained
 from bertforge.tokenizer import BertTokenizer

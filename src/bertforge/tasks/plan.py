@@ -28,7 +28,7 @@ from flax import nnx
 from bertforge.data.masking import MaskingSpec
 from bertforge.data.shards import Shards
 from bertforge.errors import UserError
-from bertforge.model.bert import build
+from bertforge.model.architectures import build
 from bertforge.model.config import ModelConfig
 from bertforge.parallel import (
     MESH_AXES,

@@ -24,7 +24,7 @@ from bertforge.data.masking import MaskingSpec, continuation_table
 from bertforge.data.shards import BatchLoader, Shards
 from bertforge.errors import UserError
 from bertforge.fileio import write_folder_atomic
-from bertforge.model.bert import build
+from bertforge.model.architectures import build
 from bertforge.model.config import ModelConfig, preset
 from bertforge.parallel import MeshConfig, batch_sharding, build_mesh, global_array, param_shardings, process_0s
 from bertforge.tasks.init import fit_to_tokenizer

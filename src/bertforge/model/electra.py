@@ -1,0 +1,1 @@
+"""Placeholder: this architecture is being written."""
