@@ -21,6 +21,7 @@ from tokenizers import (
     processors,
 )
 
+from bertforge import spm
 from bertforge.errors import UserError
 from bertforge.fileio import read_json_object, write_atomic
 
@@ -91,14 +92,16 @@ def truncate(ids: Sequence[int], budget: int, strategy: str = "head", head_fract
 
 
 def _pair_budgets(la: int, lb: int, budget: int) -> tuple[int, int]:
-    """Longest-first split of a token budget between two texts."""
+    """Longest-first split of a token budget between two texts, as `tokenizers` (transformers' fast tokenizers)
+    splits it: the shorter text is kept whole if it fits in half; else each gets half, an odd token going to the
+    longer text (to the second on a tie)."""
     if la + lb <= budget:
         return la, lb
     short = min(la, lb)
     if short <= budget // 2:
         return (budget - lb, lb) if la > lb else (la, budget - la)
     half = budget // 2
-    return budget - half, half
+    return (budget - half, half) if la > lb else (half, budget - half)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,10 +267,12 @@ class BertTokenizer:
             unk_token=s.unk,
             model_max_length=self.model_max_length,
         )
+        # A loaded tokenizer keeps its model's inputs (ModernBERT's has no token types though its specials are BERT's).
         if s == ROBERTA_SPECIALS:
-            cfg.update(bos_token=s.cls, eos_token=s.sep, model_input_names=["input_ids", "attention_mask"])
+            cfg.update(bos_token=s.cls, eos_token=s.sep)
+            cfg.setdefault("model_input_names", ["input_ids", "attention_mask"])
         else:
-            cfg["model_input_names"] = ["input_ids", "token_type_ids", "attention_mask"]
+            cfg.setdefault("model_input_names", ["input_ids", "token_type_ids", "attention_mask"])
         if self.lowercase is not None:
             cfg["do_lower_case"] = self.lowercase
         return cfg
@@ -281,7 +286,8 @@ class BertTokenizer:
 
     @classmethod
     def load(cls, folder: str | Path) -> BertTokenizer:
-        """Load from a folder with tokenizer.json (or a BERT vocab.txt); special tokens from tokenizer_config.json."""
+        """Load from a folder with tokenizer.json (or a BERT vocab.txt, or DeBERTa's SentencePiece spm.model);
+        special tokens from tokenizer_config.json."""
         folder = Path(folder)
         optional = {name: folder / name for name in ("tokenizer_config.json", "special_tokens_map.json")}
         config, special_map = (read_json_object(p) if p.exists() else {} for p in optional.values())
@@ -292,12 +298,17 @@ class BertTokenizer:
                 raise UserError(f"{folder / 'tokenizer.json'}: not a valid tokenizer file ({e})") from None
         elif (folder / "vocab.txt").exists():
             tok = _wordpiece_from_vocab(folder / "vocab.txt", bool(config.get("do_lower_case", True)))
+        elif (folder / spm.SPM_FILE).exists():  # DeBERTa-v2/v3: a SentencePiece model, converted as transformers does
+            tok = spm.deberta_tokenizer(folder / spm.SPM_FILE, {**special_map, **config})
         else:
-            raise UserError(f"{folder}: no tokenizer here (tokenizer.json or vocab.txt)")
+            raise UserError(f"{folder}: no tokenizer here (tokenizer.json, vocab.txt or {spm.SPM_FILE})")
         specials = _special_tokens(tok, config, special_map, folder)
         max_len = config.get("model_max_length", 512)
         max_len = max_len if isinstance(max_len, int) and max_len < 10**9 else 512
         keep = {k: v for k, v in config.items() if k in ("clean_up_tokenization_spaces",)}
+        names = config.get("model_input_names")
+        if isinstance(names, list) and all(isinstance(n, str) for n in names):
+            keep["model_input_names"] = names
         return cls(tok, specials, config.get("do_lower_case"), max_len, keep)
 
 
