@@ -117,6 +117,71 @@ def test_cudnn_equals_the_formula_with_padding(q_len):
         np.testing.assert_allclose(f32(got), f32(expected), atol=3e-2)
 
 
+# ---------------------------------------------------------------------------------------------------- local window
+WINDOW = 2  # T = 8 > 2 * WINDOW + 1: the band cuts keys off every query's row
+
+
+def windowed(mask, q_len: int):
+    """The padding mask (B, 1, 1, T) with the band |i - j| <= WINDOW, built here from numpy: (B, 1, Q, T)."""
+    near = np.abs(np.arange(q_len)[:, None] - np.arange(T)[None, :]) <= WINDOW  # (Q, T)
+    return mask & jnp.asarray(near)[None, None]
+
+
+def windowed_cotangent(local, d_out):
+    """d_out with 0 at the queries whose window holds no real key (padding far from any token, the filler row).
+    Training gives them no loss; with a cotangent they would differ as the filler row does in assert_matches."""
+    seen = np.asarray(local).any(-1)[:, 0]  # (B, Q)
+    assert seen.any() and not seen.all()  # the batch has such queries, and others
+    return d_out * jnp.asarray(seen, d_out.dtype)[..., None, None], seen
+
+
+@pytest.mark.parametrize("q_len", [T, 1])
+@pytest.mark.parametrize("name", ["custom", "xla", "explicit"])
+def test_windowed_implementation_equals_the_formula_with_padding(name, q_len):
+    q, k, v, mask, d_out = inputs(q_len)
+    local = windowed(mask, q_len)
+    d_out, _ = windowed_cotangent(local, d_out)
+    fn = lambda q, k, v, m: attn.IMPLEMENTATIONS[name](q, k, v, m, window=WINDOW)  # noqa: E731
+    out, grads = forward_and_grads(fn, q, k, v, mask, d_out)
+    want, want_grads = forward_and_grads(formula, q, k, v, local, d_out)
+    for got, expected in zip((out, *grads), (want, *want_grads), strict=True):  # every row: see windowed_cotangent
+        assert np.all(np.isfinite(np.asarray(got)))
+        np.testing.assert_allclose(np.asarray(got), np.asarray(expected), atol=1e-5)
+    if q_len > 1:  # the window changes the numbers
+        assert np.abs(np.asarray(out) - np.asarray(formula(q, k, v, mask))).max() > 0.1
+
+
+def test_attend_passes_the_window_to_every_implementation():
+    q, k, v, mask, _ = inputs()
+    want = formula(q, k, v, windowed(mask, T))
+    dropout = nnx.Dropout(0.0, rngs=nnx.Rngs(dropout=0))
+    with jax.default_matmul_precision("float32"):
+        for name in ("custom", "xla", "explicit"):
+            got = attn.attend(q, k, v, mask, name, window=WINDOW)
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, err_msg=name)
+        with_dropout = attn.attend(q, k, v, mask, "auto", dropout=dropout, key=jax.random.key(0), window=WINDOW)
+    np.testing.assert_allclose(np.asarray(with_dropout), np.asarray(want), atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not runs_here("cudnn"), reason="cuDNN attention needs a GPU")
+@pytest.mark.parametrize("q_len", [T, 1])
+def test_windowed_cudnn_equals_the_formula_with_padding(q_len):
+    # bfloat16 inputs, tolerances as in test_cudnn_equals_the_formula_with_padding.
+    q, k, v, mask, d_out = inputs(q_len, jnp.bfloat16)
+    local = windowed(mask, q_len)
+    d_out, seen = windowed_cotangent(local, d_out)  # cuDNN gives the unseen queries other keys (the filler row one)
+    fn = lambda q, k, v, m: attn.cudnn_attention(q, k, v, m, window=WINDOW)  # noqa: E731
+    out, grads = forward_and_grads(fn, q, k, v, mask, d_out)
+    want, want_grads = forward_and_grads(formula, q, k, v, local, d_out)
+    f32 = lambda x: np.asarray(x, np.float32)  # noqa: E731
+    for x in (out, *grads):
+        assert np.all(np.isfinite(f32(x)))
+    np.testing.assert_allclose(f32(out)[seen], f32(want)[seen], atol=1e-2)
+    for got, expected in zip(grads, want_grads, strict=True):
+        np.testing.assert_allclose(f32(got), f32(expected), atol=3e-2)
+
+
 # ---------------------------------------------------------------------------------------------------- selection
 @pytest.mark.parametrize(
     ("requested", "platform", "dropout", "dtype", "chosen"),

@@ -10,9 +10,11 @@ NATIVE_POOLINGS (the poolings transformers' own sequence head does).
 
 from __future__ import annotations
 
+import math
 from types import ModuleType
 from typing import Any
 
+import jax
 from flax import nnx
 
 from bertforge.errors import UserError
@@ -57,6 +59,11 @@ def build(cfg: ModelConfig, head: str = "mlm", num_labels: int = 1, seed: int = 
     if head == "mlm":
         return MaskedLM(cfg, encoder, arch.mlm_head(cfg, rngs))
     return SequenceClassifier(cfg, num_labels, encoder, arch.sequence_head(cfg, num_labels, rngs))
+
+
+def count_params(params: Any) -> int:
+    """The number of values in a parameter tree (nnx.State or arrays); a tied decoder is one table, counted once."""
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(params))
 
 
 def key_table(cfg: ModelConfig, head: str) -> list[Row]:

@@ -1,7 +1,9 @@
 """The BERT-family encoder in Flax NNX. BERT and RoBERTa are two configurations of this one model.
 
 Post-LayerNorm transformer with learned absolute positions and token types (Devlin et al. 2019); RoBERTa differs
-only in its position ids, which start after the padding index and skip padding (Liu et al. 2019). Parameters
+only in its position ids, which start after the padding index and skip padding (Liu et al. 2019). ELECTRA and
+DistilBERT reuse these modules (electra.py, distilbert.py): a narrower embedding table projected to the hidden size,
+no token-type table, no dropout on the attention output. Parameters
 carry logical axis names ('vocab', 'embed', 'mlp', 'heads', ...); parallel.py maps them onto the device mesh.
 Shapes: B batch, T tokens, D hidden, N heads, H head dim, F feed-forward, V vocabulary, L labels, M masked.
 """
@@ -13,6 +15,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from bertforge.errors import UserError
@@ -20,7 +23,7 @@ from bertforge.model.attention import attend
 from bertforge.model.config import ACTIVATIONS, FAMILIES, ModelConfig, read_fields, write_fields
 from bertforge.model.heads import MlmHead, SequenceHead
 from bertforge.model.keys import Row, layernorm_rows, linear_rows
-from bertforge.model.layers import dense, embed, layer_norm, sinusoids
+from bertforge.model.layers import dense, dropout_keys, embed, layer_norm, rematerialized, sinusoids
 
 
 def position_ids(cfg: ModelConfig, input_ids: jax.Array) -> jax.Array:
@@ -32,26 +35,38 @@ def position_ids(cfg: ModelConfig, input_ids: jax.Array) -> jax.Array:
 
 
 class Embeddings(nnx.Module):
+    """Word + position (+ token type) embeddings of width E, LayerNorm, dropout, then (when E != D) a projection to
+    the hidden size D: ELECTRA's small models keep a narrower table than their hidden size."""
+
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
-        self.word = embed(cfg, cfg.vocab_size, "vocab", rngs)
-        self.position = embed(cfg, cfg.max_position_embeddings, "position", rngs)
+        e = cfg.embed_dim
+        self.word = embed(cfg, cfg.vocab_size, "vocab", rngs, width=e)
+        self.position = embed(cfg, cfg.max_position_embeddings, "position", rngs, width=e)
         if cfg.position_init == "sinusoidal":
             rows, std = cfg.max_position_embeddings, cfg.initializer_range
-            self.position.embedding.value = sinusoids(rows, cfg.hidden_size, std)
-        self.token_type = embed(cfg, cfg.type_vocab_size, "token_type", rngs)
-        self.norm = layer_norm(cfg, rngs)
+            self.position.embedding.value = sinusoids(rows, e, std)
+        # DistilBERT has no token types: no table, and token_type_ids are ignored.
+        self.token_type = embed(cfg, cfg.type_vocab_size, "token_type", rngs, width=e) if cfg.type_vocab_size else None
+        self.norm = layer_norm(cfg, rngs, size=e)
         self.dropout = nnx.Dropout(cfg.hidden_dropout, rngs=rngs)
+        self.project = dense(cfg, e, cfg.hidden_size, (None, "embed"), rngs) if e != cfg.hidden_size else None
 
     def __call__(self, input_ids: jax.Array, token_type_ids: jax.Array) -> jax.Array:
-        x = self.word(input_ids) + self.position(position_ids(self.cfg, input_ids))  # (B, T, D)
-        x = x + self.token_type(token_type_ids)
-        return self.dropout(self.norm(x).astype(self.cfg.compute_dtype))
+        x = self.word(input_ids) + self.position(position_ids(self.cfg, input_ids))  # (B, T, E)
+        if self.token_type is not None:
+            x = x + self.token_type(token_type_ids)
+        x = self.dropout(self.norm(x).astype(self.cfg.compute_dtype))
+        return x if self.project is None else self.project(x)  # (B, T, D)
 
 
 class Layer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    """Post-LN self-attention and feed-forward. `attn_out_dropout` False leaves out the dropout on the attention
+    output (DistilBERT has none there)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, attn_out_dropout: bool = True):
         self.cfg = cfg
+        self.attn_out_dropout = attn_out_dropout
         d, f = cfg.hidden_size, cfg.intermediate_size
         self.query = dense(cfg, d, d, ("embed", "heads"), rngs)
         self.key = dense(cfg, d, d, ("embed", "heads"), rngs)
@@ -64,13 +79,9 @@ class Layer(nnx.Module):
         self.dropout = nnx.Dropout(cfg.hidden_dropout, rngs=rngs)
         self.attn_dropout = nnx.Dropout(cfg.attention_dropout, rngs=rngs)
 
-    def dropout_keys(self) -> tuple[jax.Array | None, jax.Array | None]:
-        """This call's dropout keys (hidden, attention), drawn from the layer's streams; None where inactive."""
-
-        def draw(d: nnx.Dropout) -> jax.Array | None:
-            return d.rngs() if d.rate > 0 and not d.deterministic else None
-
-        return draw(self.dropout), draw(self.attn_dropout)
+    def dropout_keys(self) -> tuple[jax.Array | None, ...]:
+        """This call's dropout keys (hidden, attention); None where inactive."""
+        return dropout_keys(self.dropout, self.attn_dropout)
 
     def __call__(
         self,
@@ -99,37 +110,29 @@ class Layer(nnx.Module):
         k = self.key(x2).reshape(b, t, n, h)
         v = self.value(x2).reshape(b, t, n, h)
         ctx = attend(q, k, v, mask, self.cfg.attention, self.cfg.dtype, self.attn_dropout, attn_key)  # (B, Q, N, H)
-        attn = self.dropout(self.attn_out(ctx.reshape(b * tq, d)), rngs=k1)
+        attn = self.attn_out(ctx.reshape(b * tq, d))
+        if self.attn_out_dropout:
+            attn = self.dropout(attn, rngs=k1)
         y = self.attn_norm(xq + attn).astype(x.dtype)
         hidden = ACTIVATIONS[self.cfg.hidden_act](self.mlp_in(y))  # (B*Q, F)
         y = self.mlp_norm(y + self.dropout(self.mlp_out(hidden), rngs=k2)).astype(x.dtype)
         return y.reshape(b, tq, d)
 
 
-def _rematerialized(layer: Layer, x: jax.Array, mask: jax.Array, first_only: bool) -> jax.Array:
-    """layer(x, mask) keeping only its inputs for the backward pass, which runs the layer again.
-
-    The dropout keys are drawn outside, as the plain call draws them, and handed in: inside jax.checkpoint the
-    layer is a pure function of its state, and the numbers are those of the plain call."""
-    keys = layer.dropout_keys()
-    graphdef, state = nnx.split(layer)
-
-    def run(state: nnx.State, x: jax.Array, mask: jax.Array, keys: tuple) -> jax.Array:
-        return nnx.merge(graphdef, state)(x, mask, first_only=first_only, keys=keys)
-
-    return jax.checkpoint(run)(state, x, mask, keys)
-
-
 class Encoder(nnx.Module):
     """Embeddings and the transformer stack: (B, T) ids -> (B, T, D) hidden states."""
+
+    attn_out_dropout = True  # see Layer; a subclass's choice
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         self.embeddings = Embeddings(cfg, rngs=rngs)
-        self.layers = nnx.List([Layer(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+        self.layers = nnx.List(
+            [Layer(cfg, rngs=rngs, attn_out_dropout=self.attn_out_dropout) for _ in range(cfg.num_layers)]
+        )
 
     def word_embedding(self) -> jax.Array:
-        return self.embeddings.word.embedding[...]  # (V, D)
+        return self.embeddings.word.embedding[...]  # (V, E)
 
     def __call__(
         self,
@@ -147,7 +150,7 @@ class Encoder(nnx.Module):
         x = self.embeddings(input_ids, token_type_ids)
         for i, layer in enumerate(self.layers):
             last = first_only and i == len(self.layers) - 1
-            x = _rematerialized(layer, x, mask, last) if self.cfg.remat else layer(x, mask, first_only=last)
+            x = rematerialized(layer, (x, mask), first_only=last) if self.cfg.remat else layer(x, mask, first_only=last)
         return x
 
 
@@ -161,9 +164,9 @@ def sequence_head(cfg: ModelConfig, num_labels: int, rngs: nnx.Rngs) -> Sequence
 
 
 # ------------------------------------------------------------------------------------------- Hugging Face names
-def key_table(cfg: ModelConfig, head: str) -> list[Row]:
-    """Every parameter of a bertforge model of `head` ('mlm' or 'sequence') with its Hugging Face name."""
-    p = cfg.flavor  # "bert." or "roberta." prefix of the encoder in *For* models
+def encoder_rows(cfg: ModelConfig, p: str) -> list[Row]:
+    """The embeddings' and layers' rows under the prefix `p` of *For* models ("bert", "roberta", "electra": the
+    three name them alike), the token-type table's when there is one; not the projection's."""
     enc = ("encoder",)
     rows = [
         Row(f"{p}.embeddings.word_embeddings.weight", (*enc, "embeddings", "word", "embedding"), False, False),
@@ -173,14 +176,11 @@ def key_table(cfg: ModelConfig, head: str) -> list[Row]:
             False,
             False,
         ),
-        Row(
-            f"{p}.embeddings.token_type_embeddings.weight",
-            (*enc, "embeddings", "token_type", "embedding"),
-            False,
-            False,
-        ),
-        *layernorm_rows(f"{p}.embeddings.LayerNorm", (*enc, "embeddings", "norm")),
     ]
+    if cfg.type_vocab_size:
+        table = (*enc, "embeddings", "token_type", "embedding")
+        rows.append(Row(f"{p}.embeddings.token_type_embeddings.weight", table, False, False))
+    rows += layernorm_rows(f"{p}.embeddings.LayerNorm", (*enc, "embeddings", "norm"))
     for i in range(cfg.num_layers):
         hf, ours = f"{p}.encoder.layer.{i}", (*enc, "layers", i)
         rows += linear_rows(f"{hf}.attention.self.query", (*ours, "query"))
@@ -191,6 +191,19 @@ def key_table(cfg: ModelConfig, head: str) -> list[Row]:
         rows += linear_rows(f"{hf}.intermediate.dense", (*ours, "mlp_in"))
         rows += linear_rows(f"{hf}.output.dense", (*ours, "mlp_out"))
         rows += layernorm_rows(f"{hf}.output.LayerNorm", (*ours, "mlp_norm"))
+    return rows
+
+
+def key_table(cfg: ModelConfig, head: str) -> list[Row]:
+    """Every parameter of a bertforge model of `head` ('mlm' or 'sequence') with its Hugging Face name."""
+    if cfg.embed_dim != cfg.hidden_size:
+        raise UserError(
+            f"embedding_size={cfg.embedding_size}: {FAMILIES[cfg.flavor].hf_prefix} has no embedding projection; "
+            f"use 0 or hidden_size ({cfg.hidden_size}), or flavor electra"
+        )
+    if not cfg.type_vocab_size:
+        raise UserError(f"type_vocab_size=0: {FAMILIES[cfg.flavor].hf_prefix} needs a token-type table (1 or more)")
+    rows = encoder_rows(cfg, cfg.flavor)  # "bert." or "roberta." prefix of the encoder in *For* models
     if head == "mlm" and cfg.flavor == "bert":
         rows += linear_rows("cls.predictions.transform.dense", ("mlm", "dense"), True)
         rows += layernorm_rows("cls.predictions.transform.LayerNorm", ("mlm", "norm"), True)
@@ -266,3 +279,9 @@ def normalise_keys(tensors: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
             key = f"{cfg.flavor}.{key}"
         out[key] = value
     return out
+
+
+def check_tied(tensors: dict[str, Any], decoder: str, word: str) -> None:
+    """A decoder weight stored beside the word embeddings must equal them: bertforge ties the two."""
+    if decoder in tensors and word in tensors and not np.array_equal(tensors[decoder], tensors[word]):
+        raise UserError(f"{decoder} differs from {word}: an untied decoder is not supported (bertforge ties them)")

@@ -148,6 +148,10 @@ class ModelConfig:
             rate = getattr(self, name)
             if rate is not None and not 0.0 <= rate < 1.0:
                 raise ValueError(f"{name} must be in [0, 1), got {rate}")
+        for name, low in (("global_attn_every_n_layers", 1), ("local_attention", 0), ("conv_kernel_size", 0)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"{name} must be an integer of at least {low}, got {value!r}")
         if not 0 <= self.pad_token_id < self.vocab_size:
             raise ValueError(f"pad_token_id {self.pad_token_id} is outside the vocabulary of {self.vocab_size}")
         if self.max_seq_len < 1:
@@ -177,7 +181,10 @@ class ModelConfig:
         return self.hidden_size // self.num_heads
 
     def num_params(self) -> int:
-        """Parameter count of the encoder and MLM head (tied decoder counted once)."""
+        """Parameter count of a BERT or RoBERTa encoder and MLM head (tied decoder counted once), in closed form:
+        the published sizes. Other architectures: architectures.count_params of a built model."""
+        if self.flavor not in ("bert", "roberta"):
+            raise ValueError(f"num_params is BERT's closed form; count a built {self.flavor} model's parameters")
         d, f, v = self.hidden_size, self.intermediate_size, self.vocab_size
         embed = (v + self.max_position_embeddings + self.type_vocab_size) * d + 2 * d
         layer = 4 * (d * d + d) + 2 * d * f + f + d + 4 * d

@@ -165,7 +165,7 @@ def resolve(name: str | os.PathLike) -> Path:
         "vocab*",
         "*.txt",
     ]
-    patterns += ["special_tokens_map.json", "merges.txt"]
+    patterns += ["special_tokens_map.json", "merges.txt", "spm.model", "added_tokens.json"]
     try:
         return Path(snapshot_download(repo_id=text, allow_patterns=patterns))
     except Exception as e:  # offline, unknown repo, no cache: all the same to the user

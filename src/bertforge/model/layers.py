@@ -78,3 +78,23 @@ def sinusoids(rows: int, dim: int, std: float) -> jax.Array:
     angle = pos * freq  # (rows, dim/2)
     table = jnp.stack([jnp.sin(angle), jnp.cos(angle)], axis=-1).reshape(rows, -1)[:, :dim]
     return table * (std * math.sqrt(2.0))  # sin and cos have variance 1/2 over positions
+
+
+def dropout_keys(*dropouts: nnx.Dropout) -> tuple[jax.Array | None, ...]:
+    """This call's key of each dropout, drawn from its stream; None where it is inactive."""
+    return tuple(d.rngs() if d.rate > 0 and not d.deterministic else None for d in dropouts)
+
+
+def rematerialized(layer: nnx.Module, arrays: tuple, **static: Any) -> jax.Array:
+    """layer(*arrays, **static) keeping only its inputs for the backward pass, which runs the layer again.
+
+    The layer's dropout keys (its dropout_keys()) are drawn outside, as the plain call draws them, and handed in as
+    `keys`: inside jax.checkpoint the layer is a pure function of its state, and the numbers are the plain call's.
+    """
+    keys = layer.dropout_keys()
+    graphdef, state = nnx.split(layer)
+
+    def run(state: nnx.State, arrays: tuple, keys: tuple) -> jax.Array:
+        return nnx.merge(graphdef, state)(*arrays, **static, keys=keys)
+
+    return jax.checkpoint(run)(state, arrays, keys)

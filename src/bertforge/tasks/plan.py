@@ -186,7 +186,8 @@ def describe(cfg: PretrainConfig, plan: Plan) -> str:
     m = cfg.model
     mesh = ", ".join(f"{k} {plan.mesh[k]}" for k in MESH_AXES)
     return (
-        f"{m.num_layers}x{m.hidden_size} ({m.num_params() / 1e6:.1f} M parameters{', remat' if m.remat else ''}, "
+        f"{m.num_layers}x{m.hidden_size} {m.flavor} ({parameter_bytes(m, plan.mesh)[1] / 4e6:.1f} M parameters"
+        f"{', remat' if m.remat else ''}, "
         f"{m.dtype}) on {plan.devices} device(s) [{mesh}]: global batch {cfg.train.global_batch}"
         f"{f' in {cfg.train.grad_accum} micro-batches' if cfg.train.grad_accum > 1 else ''}, "
         f"{plan.micro_batch} sequences x {plan.seq_len} tokens per device per micro-batch"

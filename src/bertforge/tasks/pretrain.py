@@ -24,7 +24,7 @@ from bertforge.data.masking import MaskingSpec, continuation_table
 from bertforge.data.shards import BatchLoader, Shards
 from bertforge.errors import UserError
 from bertforge.fileio import write_folder_atomic
-from bertforge.model.architectures import build
+from bertforge.model.architectures import build, count_params
 from bertforge.model.config import ModelConfig, preset
 from bertforge.parallel import MeshConfig, batch_sharding, build_mesh, global_array, param_shardings, process_0s
 from bertforge.tasks.init import fit_to_tokenizer
@@ -284,7 +284,7 @@ def _main(cfg: PretrainConfig, run_dir: Path, resume: str, vocab_given: bool) ->
         return None if valid_shards is None else _evaluate(eval_fn, state.params, valid_shards, cfg, mesh)
 
     log.message(
-        f"pretraining {model_cfg.num_layers}x{model_cfg.hidden_size} ({model_cfg.num_params() / 1e6:.1f} M parameters) "
+        f"pretraining {model_cfg.num_layers}x{model_cfg.hidden_size} ({count_params(params) / 1e6:.1f} M parameters) "
         f"on {len(mesh.devices.flat)} device(s) {dict(mesh.shape)}: global batch {cfg.train.global_batch} "
         f"({cfg.train.global_batch // len(mesh.devices.flat)} per device"
         f"{f', {cfg.train.grad_accum} accumulation steps' if cfg.train.grad_accum > 1 else ''}) x {seq_len} tokens, "
