@@ -25,6 +25,9 @@ from bertforge.model.keys import Row, layernorm_rows, linear_rows
 from bertforge.model.layers import axes, dense, dropout_keys, embed, layer_norm, rematerialized, sinusoids
 
 TERMS = ("c2p", "p2c")
+# float32 (B, N, T, T) buffers a layer's training step keeps, for plan: BERT's 4 and the relative-position scores'
+# (read off the compiled step at 64, 128 and 256 tokens: within 5% of its memory with 10).
+SCORE_BUFFERS = 10
 Array = jax.Array
 
 

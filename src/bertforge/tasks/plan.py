@@ -12,8 +12,10 @@ compiler keeps about half a second logits buffer alive, so the vocabulary side's
 and logits + one (tokens x intermediate) transient. The peak is the larger of that activation peak and the end of
 the step, where the gradients and the optimizer's update temporaries (2 x parameters) are alive together.
 These counts were read off XLA's buffer assignment; tests/test_plan.py holds the estimate to within 10% of the
-memory JAX reports for the compiled step, tiny through base. Other backends fuse differently, so treat the
-figure as a guide with a margin, and check it on the device with --compile.
+memory JAX reports for the compiled step, tiny through base. An architecture that keeps more (heads x length^2)
+buffers says how many (SCORE_BUFFERS: DeBERTa's relative-position scores take 10 in all, fitted to the compiled
+step at 64 to 256 tokens). Other backends fuse differently, so treat the figure as a guide with a margin, and check
+it on the device with --compile.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from flax import nnx
 from bertforge.data.masking import MaskingSpec
 from bertforge.data.shards import Shards
 from bertforge.errors import UserError
-from bertforge.model.architectures import build
+from bertforge.model.architectures import architecture, build
 from bertforge.model.config import ModelConfig
 from bertforge.parallel import (
     MESH_AXES,
@@ -114,7 +116,8 @@ def estimate(cfg: PretrainConfig, devices: int, seq_len: int) -> Plan:
     optimizer = ADAM_MOMENTS * params
     gradients = params
     act = 2 if m.dtype == "bfloat16" else 4  # hidden states; attention probabilities stay float32
-    layer = (16 * n * d + 4 * n * f) * act + 4 * b * heads * seq_len**2 * 4
+    scores = getattr(architecture(m), "SCORE_BUFFERS", 4)  # float32 (heads x length^2) buffers per layer
+    layer = (16 * n * d + 4 * n * f) * act + scores * b * heads * seq_len**2 * 4
     predicted = prediction_capacity(n, cfg.mlm.rate) if cfg.train.sparse_head else n
     logits = predicted * v * 4
     saved = layer * (1 if m.remat else layers) + (n * d * act * layers if m.remat else 0)
