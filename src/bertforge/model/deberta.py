@@ -55,20 +55,14 @@ class RelativePlan:
     lo: int  # rows lo..hi-1 of the table are the only ones read: R = hi - lo
     hi: int
     by_distance: np.ndarray  # (2T-1,) row - lo for the distance i - j = -(T-1)..T-1
-    skew: bool  # shift (2T-1)-wide scores into place by reshapes (GPU, TPU), rather than gather R-wide ones (CPU)
 
 
 @functools.lru_cache(maxsize=64)
-def relative_plan(t: int, span: int, reach: int, buckets: int, platform: str) -> RelativePlan:
+def relative_plan(t: int, span: int, reach: int, buckets: int) -> RelativePlan:
     rel = np.arange(1 - t, t)  # i - j
     rows = np.clip((log_buckets(rel, buckets, reach) if buckets > 0 else rel) + span, 0, 2 * span - 1)
     lo, hi = int(rows.min()), int(rows.max()) + 1
-    # Measured on an H100, a v3-base forward and backward in bf16: with the shift 39, 64 and 154 ms at T = 128, 512 and
-    # 2048 (8192 tokens), with the gather 48, 96 and 3255 (its backward is a scatter-add). XLA's CPU gathers faster.
-    # On a CPU the gather was faster at short lengths, but XLA's CPU backward of it built a (B, N, T, T, R) one-hot at
-    # base size (40 GB at 16 x 256): every platform shifts.
-    del platform
-    return RelativePlan(lo, hi, (rows - lo).astype(np.int32), skew=True)
+    return RelativePlan(lo, hi, (rows - lo).astype(np.int32))
 
 
 def _shift(x: jax.Array) -> jax.Array:
@@ -80,27 +74,20 @@ def _shift(x: jax.Array) -> jax.Array:
 
 def relative_scores(q: Array, k: Array, pos_q: Array | None, pos_k: Array | None, plan: RelativePlan) -> Array:
     """c2p + p2c, float32 (B, N, T, T), from q, k (B, T, N, H) and the keys pos_k (for c2p) and queries pos_q (for
-    p2c) of the R table rows (R, N, H), None for a term left out: a product with the R rows, then a read of each
-    pair's row: c2p[i, j] = (q_i . pos_k)[row(i - j)], p2c[i, j] = (k_j . pos_q)[row(i - j)]. The shifted products
-    stay in the compute dtype until they are read: half the bytes in bf16, as transformers under autocast."""
-    t, dt, out = q.shape[1], q.dtype, jnp.zeros((), jnp.float32)
-    if plan.skew:  # tables laid out by distance; the shift puts each distance at its (i, j)
-        if pos_k is not None:  # column m of row i is j = m - (T-1-i): distance T-1-m, the table reversed
-            table = pos_k[plan.by_distance[::-1].copy()].astype(dt)  # (2T-1, N, H)
-            out = out + _shift(jnp.einsum("bqnh,mnh->bnqm", q, table, preferred_element_type=dt)).astype(jnp.float32)
-        if pos_q is not None:  # transposed: row j, column i = m - (T-1-j), distance m - (T-1)
-            scores = jnp.einsum("bknh,mnh->bnkm", k, pos_q[plan.by_distance].astype(dt), preferred_element_type=dt)
-            out = out + _shift(scores).swapaxes(-1, -2).astype(jnp.float32)
-        return out
-    i = jnp.arange(t)
-    index = jnp.asarray(plan.by_distance)[i[:, None] - i[None, :] + t - 1][None, None]  # (1, 1, T, T)
-    gather = functools.partial(jnp.take_along_axis, axis=-1, mode="promise_in_bounds")
-    if pos_k is not None:
-        scores = jnp.einsum("bqnh,rnh->bnqr", q, pos_k.astype(dt), preferred_element_type=jnp.float32)  # (B, N, T, R)
-        out = out + gather(scores, index)
-    if pos_q is not None:
-        scores = jnp.einsum("bknh,rnh->bnkr", k, pos_q.astype(dt), preferred_element_type=jnp.float32)
-        out = out + gather(scores, index.swapaxes(-1, -2)).swapaxes(-1, -2)
+    p2c) of the R table rows (R, N, H), None for a term left out; each pair (i, j) reads the row of i - j:
+    c2p[i, j] = (q_i . pos_k)[row(i - j)], p2c[i, j] = (k_j . pos_q)[row(i - j)]. The shifted products stay in the
+    compute dtype until they are read: half the bytes in bf16, as transformers under autocast."""
+    # The tables are laid out by distance and the shift puts each distance at its (i, j). A gather of the R-wide
+    # products was measured slower: on an H100 (v3-base, bf16, 8192 tokens) 48, 96 and 3255 ms at T = 128, 512 and
+    # 2048 against 39, 64 and 154 (its backward is a scatter-add), and on a CPU XLA built its backward as a
+    # (B, N, T, T, R) one-hot, 40 GB at 16 x 256.
+    dt, out = q.dtype, jnp.zeros((), jnp.float32)
+    if pos_k is not None:  # column m of row i is j = m - (T-1-i): distance T-1-m, the table reversed
+        table = pos_k[plan.by_distance[::-1].copy()].astype(dt)  # (2T-1, N, H)
+        out = out + _shift(jnp.einsum("bqnh,mnh->bnqm", q, table, preferred_element_type=dt)).astype(jnp.float32)
+    if pos_q is not None:  # transposed: row j, column i = m - (T-1-j), distance m - (T-1)
+        scores = jnp.einsum("bknh,mnh->bnkm", k, pos_q[plan.by_distance].astype(dt), preferred_element_type=dt)
+        out = out + _shift(scores).swapaxes(-1, -2).astype(jnp.float32)
     return out
 
 
@@ -231,7 +218,7 @@ class Encoder(nnx.Module):
         x = first = self.embeddings(input_ids, types, mask)
         plan, rel = None, None
         if self.rel_embeddings is not None:
-            plan = relative_plan(input_ids.shape[1], *relative_reach(cfg), cfg.position_buckets, jax.default_backend())
+            plan = relative_plan(input_ids.shape[1], *relative_reach(cfg), cfg.position_buckets)
             rel = self.rel_embeddings.embedding[plan.lo : plan.hi]  # (R, D)
             if self.rel_norm is not None:
                 rel = self.rel_norm(rel)
