@@ -17,6 +17,7 @@ from bertforge.model import attention as attn
 from bertforge.model import heads
 from bertforge.model.architectures import build, config_to_hf
 from bertforge.model.config import ModelConfig, preset
+from bertforge.model.dropout import Dropout, dropped, keep_mask
 from bertforge.model.hf import load_pretrained, save_pretrained
 
 B, T, N, H = 4, 8, 2, 16
@@ -97,6 +98,57 @@ def test_explicit_with_dropout_rate_zero_equals_the_formula():
     )
     want, want_grads = forward_and_grads(formula, q, k, v, mask, d_out)
     assert_matches(out, grads, want, want_grads, atol=1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 2])
+def test_custom_with_dropout_equals_explicit(window):
+    # The hand-written backward against automatic differentiation of the same dropped formula, one key for both.
+    q, k, v, mask, d_out = inputs()
+    if window is not None:  # no loss on queries whose window holds no real key: see windowed_cotangent
+        d_out, _ = windowed_cotangent(windowed(mask, T), d_out)
+    dropout = Dropout(0.3, rngs=nnx.Rngs(dropout=0))
+    key = jax.random.key(7)
+    runs = {
+        name: forward_and_grads(
+            lambda q, k, v, m, _n=name: attn.IMPLEMENTATIONS[_n](q, k, v, m, dropout, key, window=window),
+            q,
+            k,
+            v,
+            mask,
+            d_out,
+        )  # fmt: skip
+        for name in ("custom", "explicit")
+    }
+    assert_matches(*runs["custom"], *runs["explicit"], atol=1e-5)
+    undropped = attn.custom_attention(q, k, v, mask, window=window)
+    assert np.abs(np.asarray(runs["custom"][0]) - np.asarray(undropped)).max() > 0.1  # the dropout did drop
+
+
+@pytest.mark.parametrize("rate", [0.0, 0.3])
+def test_a_score_bias_receives_its_gradient(rate):
+    # DeBERTa's relative scores enter as a full (B, N, Q, T) bias, with their own scale on q: the hand-written
+    # backward against automatic differentiation of the formula, the bias's gradient included.
+    q, k, v, _, d_out = inputs()
+    bias = jnp.asarray(np.random.default_rng(1).standard_normal((B, N, T, T)), jnp.float32)
+    key = jax.random.key(5) if rate else None
+
+    def formula_with_bias(q, k, v, bias):
+        logits = jnp.einsum("bqnh,btnh->bnqt", q, k, precision=jax.lax.Precision.HIGHEST) * 0.3 + bias
+        probs = jax.nn.softmax(logits, axis=-1)
+        probs = probs if key is None else dropped(probs, keep_mask(key, rate, probs.shape), rate)
+        return jnp.einsum("bnqt,btnh->bqnh", probs, v, precision=jax.lax.Precision.HIGHEST)
+
+    def grads(fn):
+        loss = lambda *a: jnp.sum(fn(*a) * d_out)  # noqa: E731
+        with jax.default_matmul_precision("float32"):
+            return fn(q, k, v, bias), jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, bias)
+
+    out, got = grads(lambda q, k, v, b: attn.attention(q, k, v, b, key, rate=rate, scale=0.3))
+    want_out, want = grads(formula_with_bias)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want_out), atol=1e-5)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-5)
+    assert np.abs(np.asarray(got[3])).max() > 1e-3  # a gradient that is there to compare
 
 
 @pytest.mark.gpu
@@ -192,7 +244,8 @@ def test_windowed_cudnn_equals_the_formula_with_padding(q_len):
         ("auto", "gpu", False, "float32", "xla"),  # cuDNN's fused kernel takes half precision only
         ("auto", "tpu", False, "bfloat16", "xla"),
         ("auto", "tpu", False, "float32", "xla"),
-        ("auto", "cpu", True, "float32", "explicit"),
+        ("auto", "cpu", True, "float32", "custom"),
+        ("custom", "gpu", True, "bfloat16", "custom"),
         ("auto", "gpu", True, "bfloat16", "explicit"),
         ("cudnn", "gpu", True, "bfloat16", "explicit"),
         ("xla", "tpu", True, "float32", "explicit"),
@@ -248,9 +301,11 @@ def test_auto_runs_the_custom_path_on_cpu(monkeypatch):
     assert calls == ["custom"] * cfg.num_layers
     assert "custom_vjp_call" in jaxpr  # the hand-written backward is in the program
     calls.clear()
-    model.train()  # attention dropout 0.1: the explicit path
-    model(ids, mask)
-    assert calls == ["explicit"] * cfg.num_layers
+    model.train()  # attention dropout 0.1: the custom path has it too
+    graphdef, state = nnx.split(model)  # the dropout streams advance: a pure function of the state to trace
+    jaxpr = str(jax.make_jaxpr(lambda state, ids, mask: nnx.merge(graphdef, state)(ids, mask))(state, ids, mask))
+    assert calls == ["custom"] * cfg.num_layers
+    assert "custom_vjp_call" in jaxpr
 
 
 def test_model_outputs_agree_across_implementations():

@@ -209,7 +209,7 @@ def test_attention_dropout_path_equals_fused_path_without_dropout(wordpiece_dir,
     batch = batch_for(pre.tokenizer)
     fused = run_ours(pre.model, batch)
     pre.model.train()
-    for layer in pre.model.encoder.layers:  # the explicit path, with dropout switched off everywhere
+    for layer in pre.model.encoder.layers:  # the attention dropout path, at a rate too small to drop anything
         layer.attn_dropout.rate = 1e-12
         layer.dropout.deterministic = True
     pre.model.encoder.embeddings.dropout.deterministic = True

@@ -5,10 +5,11 @@ attended, and returns (B, Q, N, H): softmax(q k^T / sqrt(H) + padding) v. Q is T
 its first token: query i is the token at position i. An optional `window` w makes the attention local (ModernBERT's
 sliding window): query i attends only to keys j with |i - j| <= w, on top of the padding.
 
-- custom: the plain formula with a hand-written backward (jax.custom_vjp); the CPU default.
+- custom: the plain formula with a hand-written backward (jax.custom_vjp), with or without dropout on the
+  probabilities; the CPU default.
 - xla: jax.nn.dot_product_attention with implementation "xla"; on a TPU, XLA fuses it.
 - cudnn: cuDNN's fused flash attention (NVIDIA GPUs, bfloat16 or float16 only); the GPU default.
-- explicit: einsum and softmax with dropout on the probabilities; the only one that has attention dropout.
+- explicit: einsum and softmax with dropout on the probabilities, differentiated automatically.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from bertforge.model.dropout import dropped, keep_mask
 
 # The logit given to a key that may not be attended, here and in attention pooling. Finite, so that a row with no
 # valid key (an all-padding filler row) gets a uniform softmax instead of NaN; exp of it underflows to exactly 0
@@ -40,10 +43,10 @@ def band(q_len: int, t_len: int, window: int) -> jax.Array:
     return (jnp.abs(dist) <= window)[None, None]
 
 
-def _attention_forward(q, k, v, bias, window):
-    """q (B, Q, N, H), k and v (B, T, N, H), bias broadcastable to (B, 1, Q, T) -> output (B, Q, N, H) and what the
-    backward needs."""
-    scale = q.shape[-1] ** -0.5
+def _attention_forward(q, k, v, bias, key, window, rate, scale):
+    """q (B, Q, N, H), k and v (B, T, N, H), bias broadcastable to (B, N, Q, T) -> output (B, Q, N, H) and what the
+    backward needs. With a dropout `key`, the probabilities are dropped at `rate` by dropout.keep_mask, the mask
+    dropout.Dropout draws from the same key: the numbers of explicit_attention."""
     if window is not None:
         # A key outside the window gets exactly MASK_VALUE, as a padded one: a query with no key left (a padded
         # token far from any real one) then has a uniform softmax over all keys, as in every other implementation.
@@ -51,46 +54,80 @@ def _attention_forward(q, k, v, bias, window):
     qt, kt, vt = (x.transpose(0, 2, 1, 3) for x in (q, k, v))  # (B, N, *, H)
     logits = jnp.matmul(qt, kt.swapaxes(-1, -2), preferred_element_type=jnp.float32) * scale + bias  # (B, N, Q, T)
     probs = jax.nn.softmax(logits, axis=-1)
-    out = jnp.matmul(probs.astype(vt.dtype), vt, preferred_element_type=jnp.float32).astype(v.dtype)  # (B, N, Q, H)
-    return out.transpose(0, 2, 1, 3), (qt, kt, vt, probs, out)
+    keep = None if key is None else keep_mask(key, rate, probs.shape)  # (B, N, Q, T) bool
+    weights = dropped(probs, keep, rate)
+    out = jnp.matmul(weights.astype(vt.dtype), vt, preferred_element_type=jnp.float32).astype(v.dtype)  # (B, N, Q, H)
+    return out.transpose(0, 2, 1, 3), (qt, kt, vt, probs, keep, out)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(4,))
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, window: int | None = None) -> jax.Array:
-    """Softmax attention with an additive key bias (see padding_bias) and an optional local window; the same
-    numbers as jax.nn.dot_product_attention. Its hand-written backward uses the FlashAttention identity
-    rowsum(dP * P) = rowsum(dO * O) and makes fewer passes over the (B, N, Q, T) probabilities than automatic
-    differentiation does: on a CPU, 40% less time for the attention's forward and backward. The window is a static
-    int, so the band is built from iota in the forward and never stored: the saved probabilities already hold it."""
-    return _attention_forward(q, k, v, bias, window)[0]
+def attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    bias: jax.Array,
+    key: jax.Array | None = None,
+    window: int | None = None,
+    rate: float = 0.0,
+    scale: float | None = None,
+) -> jax.Array:
+    """softmax(q k^T * scale + bias) v, with an additive bias of 4 dimensions broadcastable to (B, N, Q, T) (the
+    padding's, see padding_bias, or a score term of the model's own, which receives its gradient), an optional
+    local window and, given a key, dropout on the probabilities at `rate`. `scale` defaults to 1 / sqrt(H); without
+    dropout the numbers of jax.nn.dot_product_attention.
+
+    Its hand-written backward uses the FlashAttention identity rowsum(dP * P) = rowsum(dO * O), which holds for
+    the dropped probabilities too, and makes fewer passes over the (B, N, Q, T) probabilities than automatic
+    differentiation does: on a CPU, 40% less time for the attention's forward and backward (a third less with
+    dropout, whose boolean mask is kept for the backward). The window is a static int, so the band is built from
+    iota in the forward and never stored: the saved probabilities already hold it; nor is the bias kept."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return _attention(q, k, v, bias, key, window, rate, scale, tuple(bias.shape))
 
 
-def _attention_fwd(q, k, v, bias, window):
-    out, saved = _attention_forward(q, k, v, bias, window)
-    return out, (saved, bias)
+@partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _attention(q, k, v, bias, key, window, rate, scale, bias_shape):
+    return _attention_forward(q, k, v, bias, key, window, rate, scale)[0]
 
 
-def _attention_bwd(window, residuals, d_out):
-    (qt, kt, vt, probs, out), bias = residuals
-    scale = qt.shape[-1] ** -0.5
+def _attention_fwd(q, k, v, bias, key, window, rate, scale, bias_shape):
+    return _attention_forward(q, k, v, bias, key, window, rate, scale)
+
+
+def _attention_bwd(window, rate, scale, bias_shape, residuals, d_out):
+    qt, kt, vt, probs, keep, out = residuals
     dt = d_out.transpose(0, 2, 1, 3)  # (B, N, Q, H)
     f32 = jnp.float32
-    dv = jnp.matmul(probs.astype(dt.dtype).swapaxes(-1, -2), dt, preferred_element_type=f32)
-    dp = jnp.matmul(dt, vt.swapaxes(-1, -2), preferred_element_type=f32)  # (B, N, Q, T)
+    dv = jnp.matmul(dropped(probs, keep, rate).astype(dt.dtype).swapaxes(-1, -2), dt, preferred_element_type=f32)
+    # The gradient reaching the probabilities through the mask; the identity below holds for the dropped ones.
+    dp = dropped(jnp.matmul(dt, vt.swapaxes(-1, -2), preferred_element_type=f32), keep, rate)  # (B, N, Q, T)
     row = jnp.sum(dt.astype(f32) * out.astype(f32), axis=-1, keepdims=True)  # (B, N, Q, 1)
-    ds = (probs * (dp - row) * scale).astype(qt.dtype)
+    d_logits = probs * (dp - row)  # (B, N, Q, T)
+    ds = (d_logits * scale).astype(qt.dtype)
     dq = jnp.matmul(ds, kt, preferred_element_type=f32)
     dk = jnp.matmul(ds.swapaxes(-1, -2), qt, preferred_element_type=f32)
     back = lambda x, like: x.transpose(0, 2, 1, 3).astype(like.dtype)  # noqa: E731
-    return back(dq, qt), back(dk, kt), back(dv, vt), jnp.zeros_like(bias)
+    # Summed over the bias's broadcast axes; XLA drops it where the bias is a constant (the padding's).
+    summed = tuple(i for i, n in enumerate(bias_shape) if n == 1 and d_logits.shape[i] != 1)
+    d_bias = jnp.sum(d_logits, axis=summed, keepdims=True).reshape(bias_shape)
+    return back(dq, qt), back(dk, kt), back(dv, vt), d_bias, None
 
 
-attention.defvjp(_attention_fwd, _attention_bwd)
+_attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def custom_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, window: int | None = None) -> jax.Array:
-    """`attention` with the padding mask as its bias (mask may be any boolean broadcastable to (B, 1, Q, T))."""
-    return attention(q, k, v, padding_bias(mask), window)
+def custom_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask: jax.Array,
+    dropout: nnx.Dropout | None = None,
+    key: jax.Array | None = None,
+    window: int | None = None,
+) -> jax.Array:
+    """`attention` with the padding mask as its bias (mask may be any boolean broadcastable to (B, 1, Q, T)), and
+    `dropout`'s rate on the probabilities when a `key` is given."""
+    rate = 0.0 if key is None or dropout is None else dropout.rate
+    return attention(q, k, v, padding_bias(mask), None if rate == 0.0 else key, window, rate)
 
 
 def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, window: int | None = None) -> jax.Array:
@@ -144,8 +181,8 @@ def explicit_attention(
         mask = mask & band(q.shape[1], k.shape[1], window)  # (B, 1, Q, T)
     logits = jnp.einsum("bqnh,btnh->bnqt", q, k, preferred_element_type=jnp.float32) * scale  # (B, N, Q, T)
     probs = jax.nn.softmax(jnp.where(mask, logits, MASK_VALUE), axis=-1)
-    if dropout is not None:
-        probs = dropout(probs, rngs=key)
+    if key is not None and dropout is not None and dropout.rate > 0:
+        probs = dropped(probs, keep_mask(key, dropout.rate, probs.shape), dropout.rate)
     return jnp.einsum("bnqt,btnh->bqnh", probs.astype(v.dtype), v)  # (B, Q, N, H)
 
 
@@ -169,15 +206,15 @@ def choose_attention(
     """The implementation to run: `requested` (one of ATTENTIONS) on `platform` (jax.default_backend()), with
     attention dropout active or not, in compute `dtype`, with heads of `head_dim` (None: any cuDNN takes).
 
-    Attention dropout forces `explicit` whatever was asked, at the cost of the fused kernel. Otherwise a named
-    implementation is kept, and `auto` takes `custom` on a CPU (its hand-written backward is the fastest there),
-    `cudnn` on a GPU (`xla` where cuDNN does not run: float32, or a head size every GPU generation does not take)
-    and `xla` on a TPU.
+    Only `custom` and `explicit` have attention dropout: with it, `custom` is kept (asked for, or `auto` on a
+    CPU) and anything else becomes `explicit`, at the cost of the fused kernel. Without it a named implementation
+    is kept, and `auto` takes `custom` on a CPU (its hand-written backward is the fastest there), `cudnn` on a GPU
+    (`xla` where cuDNN does not run: float32, or a head size every GPU generation does not take) and `xla` on a TPU.
     """
     if requested not in ATTENTIONS:
         raise ValueError(f"attention {requested!r} is not one of {', '.join(ATTENTIONS)}")
     if dropout:
-        return "explicit"
+        return "custom" if requested == "custom" or (requested == "auto" and platform == "cpu") else "explicit"
     if requested == "cudnn" and platform != "gpu":
         raise ValueError(f"attention 'cudnn' needs an NVIDIA GPU; this program runs on {platform}")
     if requested != "auto":
@@ -204,8 +241,8 @@ def attend(
     key, None where dropout is inactive; `window` the local window's half-width (None: global attention). Shapes as
     in the module docstring."""
     name = choose_attention(requested, jax.default_backend(), key is not None, dtype, q.shape[-1])
-    if name == "explicit":
-        return explicit_attention(q, k, v, mask, dropout, key, window)
+    if name in ("explicit", "custom"):
+        return IMPLEMENTATIONS[name](q, k, v, mask, dropout, key, window=window)
     if name == "cudnn":
         # Projections come out in float32 (their products accumulate in it); cuDNN runs in the compute dtype.
         q, k, v = (x.astype(dtype) for x in (q, k, v))

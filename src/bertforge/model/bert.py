@@ -21,6 +21,7 @@ from flax import nnx
 from bertforge.errors import UserError
 from bertforge.model.attention import attend
 from bertforge.model.config import ACTIVATIONS, FAMILIES, ModelConfig, read_fields, write_fields
+from bertforge.model.dropout import Dropout
 from bertforge.model.heads import MlmHead, SequenceHead
 from bertforge.model.keys import Row, layernorm_rows, linear_rows
 from bertforge.model.layers import dense, dropout_keys, embed, layer_norm, rematerialized, sinusoids
@@ -49,7 +50,7 @@ class Embeddings(nnx.Module):
         # DistilBERT has no token types: no table, and token_type_ids are ignored.
         self.token_type = embed(cfg, cfg.type_vocab_size, "token_type", rngs, width=e) if cfg.type_vocab_size else None
         self.norm = layer_norm(cfg, rngs, size=e)
-        self.dropout = nnx.Dropout(cfg.hidden_dropout, rngs=rngs)
+        self.dropout = Dropout(cfg.hidden_dropout, rngs=rngs)
         self.project = dense(cfg, e, cfg.hidden_size, (None, "embed"), rngs) if e != cfg.hidden_size else None
 
     def __call__(self, input_ids: jax.Array, token_type_ids: jax.Array) -> jax.Array:
@@ -76,8 +77,8 @@ class Layer(nnx.Module):
         self.mlp_in = dense(cfg, d, f, ("embed", "mlp"), rngs)
         self.mlp_out = dense(cfg, f, d, ("mlp", "embed"), rngs)
         self.mlp_norm = layer_norm(cfg, rngs)
-        self.dropout = nnx.Dropout(cfg.hidden_dropout, rngs=rngs)
-        self.attn_dropout = nnx.Dropout(cfg.attention_dropout, rngs=rngs)
+        self.dropout = Dropout(cfg.hidden_dropout, rngs=rngs)
+        self.attn_dropout = Dropout(cfg.attention_dropout, rngs=rngs)
 
     def dropout_keys(self) -> tuple[jax.Array | None, ...]:
         """This call's dropout keys (hidden, attention); None where inactive."""

@@ -1,7 +1,8 @@
 """DeBERTa-v2/v3 in Flax NNX (He et al. 2021, 2023): BERT's post-LayerNorm stack with disentangled attention, whose
 scores add to q_i.k_j a content-to-position term (c2p) q_i.r_{i-j} and a position-to-content term (p2c) k_j.r'_{i-j}
 from one table of relative-position embeddings (log-bucketed beyond position_buckets/2) shared by all layers. No fused
-kernel adds such terms, so the attention is written here. transformers' DebertaV2* classes are the reference.
+kernel adds such terms: they are computed here and enter attention.attention (the hand-written backward) as its bias.
+transformers' DebertaV2* classes are the reference.
 Shapes: B batch, T tokens, D hidden, E embedding width, N heads, H head dim, F feed-forward, R relative rows read.
 """
 
@@ -18,16 +19,17 @@ import numpy as np
 from flax import nnx
 
 from bertforge.errors import UserError
-from bertforge.model.attention import MASK_VALUE
+from bertforge.model.attention import MASK_VALUE, attention
 from bertforge.model.config import ACTIVATIONS, ModelConfig
+from bertforge.model.dropout import Dropout
 from bertforge.model.heads import Ids, MlmHead, SequenceHead
 from bertforge.model.keys import Row, layernorm_rows, linear_rows
 from bertforge.model.layers import axes, dense, dropout_keys, embed, layer_norm, rematerialized, sinusoids
 
 TERMS = ("c2p", "p2c")
 # float32 (B, N, T, T) buffers a layer's training step keeps, for plan: BERT's 4 and the relative-position scores'
-# (read off the compiled step at 64, 128 and 256 tokens: within 5% of its memory with 10).
-SCORE_BUFFERS = 10
+# gradient (read off the compiled step at 64, 128 and 256 tokens: within 3% of its memory with 5).
+SCORE_BUFFERS = 5
 Array = jax.Array
 
 
@@ -80,7 +82,7 @@ def relative_scores(q: Array, k: Array, pos_q: Array | None, pos_k: Array | None
     # The tables are laid out by distance and the shift puts each distance at its (i, j). A gather of the R-wide
     # products was measured slower: on an H100 (v3-base, bf16, 8192 tokens) 48, 96 and 3255 ms at T = 128, 512 and
     # 2048 against 39, 64 and 154 (its backward is a scatter-add), and on a CPU XLA built its backward as a
-    # (B, N, T, T, R) one-hot, 40 GB at 16 x 256.
+    # (B, N, T, T, R) one-hot, 40 GB at 16 x 256 tokens and 24 heads.
     dt, out = q.dtype, jnp.zeros((), jnp.float32)
     if pos_k is not None:  # column m of row i is j = m - (T-1-i): distance T-1-m, the table reversed
         table = pos_k[plan.by_distance[::-1].copy()].astype(dt)  # (2T-1, N, H)
@@ -103,7 +105,7 @@ class Embeddings(nnx.Module):
         self.token_type = embed(cfg, cfg.type_vocab_size, "token_type", rngs, width=e) if cfg.type_vocab_size else None
         self.proj = dense(cfg, e, cfg.hidden_size, (None, "embed"), rngs, bias=False) if e != cfg.hidden_size else None
         self.norm = layer_norm(cfg, rngs)
-        self.dropout = nnx.Dropout(cfg.hidden_dropout, rngs=rngs)
+        self.dropout = Dropout(cfg.hidden_dropout, rngs=rngs)
 
     def __call__(self, input_ids: jax.Array, token_type_ids: jax.Array, mask: jax.Array) -> jax.Array:
         """ids, token types (B, T), mask (B, T) bool -> (B, T, D), zero on padding."""
@@ -127,8 +129,8 @@ class Layer(nnx.Module):
         self.mlp_in = dense(cfg, d, f, ("embed", "mlp"), rngs)
         self.mlp_out = dense(cfg, f, d, ("mlp", "embed"), rngs)
         self.mlp_norm = layer_norm(cfg, rngs)
-        self.dropout = nnx.Dropout(cfg.hidden_dropout, rngs=rngs)
-        self.attn_dropout = nnx.Dropout(cfg.attention_dropout, rngs=rngs)
+        self.dropout = Dropout(cfg.hidden_dropout, rngs=rngs)
+        self.attn_dropout = Dropout(cfg.attention_dropout, rngs=rngs)
 
     def dropout_keys(self) -> tuple[jax.Array | None, ...]:
         """This call's dropout keys (hidden, attention); None where inactive."""
@@ -150,18 +152,20 @@ class Layer(nnx.Module):
         q = (self.query(x2) * scale).astype(dt).reshape(b, t, n, h)
         k = self.key(x2).astype(dt).reshape(b, t, n, h)
         v = self.value(x2).astype(dt).reshape(b, t, n, h)
-        scores = jnp.einsum("bqnh,bknh->bnqk", q, k, preferred_element_type=jnp.float32)  # (B, N, T, T)
+        relative = jnp.zeros((), jnp.float32)
         if rel is not None and terms:
             rel = self.dropout(rel, rngs=k3)
             shared = cfg.share_att_key
             pos_k = (self.key if shared else self.pos_key)(rel).reshape(-1, n, h) if "c2p" in terms else None
             pos_q = (self.query if shared else self.pos_query)(rel) * scale if "p2c" in terms else None
             pos_q = None if pos_q is None else pos_q.reshape(-1, n, h)
-            scores = scores + relative_scores(q, k, pos_q, pos_k, plan)
+            relative = relative_scores(q, k, pos_q, pos_k, plan)  # (B, N, T, T)
         # Padded queries see no key at all (transformers masks both sides): a uniform softmax, as there.
         valid = mask[:, None, :, None] & mask[:, None, None, :]  # (B, 1, T, T)
-        probs = self.attn_dropout(jax.nn.softmax(jnp.where(valid, scores, MASK_VALUE), axis=-1), rngs=attn_key)
-        ctx = jnp.einsum("bnqk,bknh->bqnh", probs.astype(dt), v, preferred_element_type=jnp.float32)
+        # The content scores and the softmax in the attention with a hand-written backward, the relative scores
+        # its bias: it keeps the probabilities (and the dropout mask) only, not every term of the sum.
+        bias = jnp.where(valid, relative, MASK_VALUE)  # (B, N or 1, T, T)
+        ctx = attention(q, k, v, bias, attn_key, rate=cfg.attention_dropout, scale=1.0)  # (B, T, N, H), q scaled
         attn = self.dropout(self.attn_out(ctx.reshape(b * t, d)), rngs=k1)
         y = self.attn_norm(x2 + attn).astype(x.dtype)
         hidden = ACTIVATIONS[cfg.hidden_act](self.mlp_in(y))  # (B*T, F)
@@ -183,7 +187,7 @@ class ConvLayer(nnx.Module):
         )
         # fmt: on
         self.norm = layer_norm(cfg, rngs)
-        self.dropout = nnx.Dropout(cfg.hidden_dropout, rngs=rngs)
+        self.dropout = Dropout(cfg.hidden_dropout, rngs=rngs)
 
     def __call__(self, x: jax.Array, residual: jax.Array, mask: jax.Array) -> jax.Array:
         """x the embeddings and residual the first layer's output (B, T, D), mask (B, T) bool -> (B, T, D)."""

@@ -14,6 +14,7 @@ from flax import nnx
 
 from bertforge.model.attention import MASK_VALUE
 from bertforge.model.config import ACTIVATIONS, ModelConfig
+from bertforge.model.dropout import Dropout
 from bertforge.model.layers import axes, dense, layer_norm
 
 Ids = jax.Array | None  # (B, T) attention mask or token types; None: all ones, all zeros
@@ -68,7 +69,7 @@ class SequenceHead(nnx.Module):
         self.dense = dense(cfg, cfg.hidden_size, cfg.hidden_size, ("embed", None), rngs, bias=cfg.classifier_bias)
         self.norm = layer_norm(cfg, rngs, bias=cfg.norm_bias) if norm else None
         self.out = dense(cfg, cfg.hidden_size, num_labels, (None, None), rngs)
-        self.dropout = nnx.Dropout(rate, rngs=rngs)
+        self.dropout = Dropout(rate, rngs=rngs)
 
     def pool(self, hidden: jax.Array, attention_mask: jax.Array) -> jax.Array:
         """hidden (B, T, D), attention_mask (B, T) -> (B, D)."""

@@ -18,6 +18,7 @@ from flax import nnx
 from bertforge.errors import UserError
 from bertforge.model.attention import attend
 from bertforge.model.config import ACTIVATIONS, FAMILIES, ModelConfig
+from bertforge.model.dropout import Dropout
 from bertforge.model.heads import MlmHead, SequenceHead
 from bertforge.model.keys import Row
 from bertforge.model.layers import dense, dropout_keys, embed, layer_norm, rematerialized
@@ -43,7 +44,7 @@ class Embeddings(nnx.Module):
         self.cfg = cfg
         self.word = embed(cfg, cfg.vocab_size, "vocab", rngs)
         self.norm = layer_norm(cfg, rngs, bias=cfg.norm_bias)
-        self.dropout = nnx.Dropout(cfg.hidden_dropout, rngs=rngs)
+        self.dropout = Dropout(cfg.hidden_dropout, rngs=rngs)
 
     def __call__(self, input_ids: jax.Array) -> jax.Array:
         return self.dropout(self.norm(self.word(input_ids)).astype(self.cfg.compute_dtype))  # (B, T, D)
@@ -60,9 +61,9 @@ class Layer(nnx.Module):
         self.mlp_norm = layer_norm(cfg, rngs, bias=cfg.norm_bias)
         self.mlp_in = dense(cfg, d, 2 * f, ("embed", "mlp"), rngs, bias=cfg.mlp_bias)  # input and gate
         self.mlp_out = dense(cfg, f, d, ("mlp", "embed"), rngs, bias=cfg.mlp_bias)
-        self.dropout = nnx.Dropout(cfg.hidden_dropout, rngs=rngs)
+        self.dropout = Dropout(cfg.hidden_dropout, rngs=rngs)
         # ModernBERT's attention_dropout drops both the probabilities and the attention's output.
-        self.attn_dropout = nnx.Dropout(cfg.attention_dropout, rngs=rngs)
+        self.attn_dropout = Dropout(cfg.attention_dropout, rngs=rngs)
         self.theta = cfg.global_rope_theta if is_global(cfg, index) else cfg.local_rope_theta
         self.window = None if is_global(cfg, index) else cfg.local_attention // 2
 

@@ -13,7 +13,7 @@ and logits + one (tokens x intermediate) transient. The peak is the larger of th
 the step, where the gradients and the optimizer's update temporaries (2 x parameters) are alive together.
 These counts were read off XLA's buffer assignment; tests/test_plan.py holds the estimate to within 10% of the
 memory JAX reports for the compiled step, tiny through base. An architecture that keeps more (heads x length^2)
-buffers says how many (SCORE_BUFFERS: DeBERTa's relative-position scores take 10 in all, fitted to the compiled
+buffers says how many (SCORE_BUFFERS: DeBERTa's relative-position scores take 5 in all, fitted to the compiled
 step at 64 to 256 tokens). Other backends fuse differently, so treat the figure as a guide with a margin, and check
 it on the device with --compile.
 """

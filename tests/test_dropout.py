@@ -1,0 +1,73 @@
+"""The dropout mask drawn from 16-bit halves of random words: its keep rate, its scale, its keys."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from bertforge.model.dropout import LEVELS, Dropout, keep_mask, keep_threshold
+
+
+@pytest.mark.parametrize("rate", [0.1, 0.5, 0.9])
+def test_keep_fraction_is_the_keep_probability(rate):
+    shape = (8, 4, 63, 257)  # odd last dimension: half of its last word goes unused
+    keep = np.asarray(keep_mask(jax.random.key(0), rate, shape))
+    assert keep.shape == shape and keep.dtype == bool
+    p = keep_threshold(rate) / LEVELS
+    assert abs(p - (1 - rate)) <= 0.5 / LEVELS
+    # Binomial: the kept fraction is within 5 standard deviations of p.
+    n = keep.size
+    assert abs(keep.mean() - p) < 5 * np.sqrt(p * (1 - p) / n)
+    # Neighbouring elements (the two halves of one word) are independent: their joint keep rate is p^2.
+    pairs = keep[..., 0:256:2] & keep[..., 1:256:2]
+    assert abs(pairs.mean() - p * p) < 5 * np.sqrt(p * p * (1 - p * p) / pairs.size)
+
+
+def test_dropout_zeroes_or_scales_by_the_exact_keep_probability():
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((16, 300)), jnp.float32)
+    layer = Dropout(0.25, rngs=nnx.Rngs(dropout=0))
+    key = jax.random.key(3)
+    y = np.asarray(layer(x, deterministic=False, rngs=key))
+    keep = np.asarray(keep_mask(key, 0.25, x.shape))
+    np.testing.assert_array_equal(y[~keep], 0.0)
+    np.testing.assert_allclose(y[keep], np.asarray(x)[keep] * LEVELS / keep_threshold(0.25), rtol=1e-6)
+    # Unbiased: the mean over many draws of a constant is the constant.
+    ones = jnp.ones((512, 512))
+    spread = np.sqrt(0.25 / 0.75 / ones.size)  # standard deviation of the mean of kept-and-scaled ones
+    assert float(jnp.mean(layer(ones, deterministic=False))) == pytest.approx(1.0, abs=5 * spread)
+
+
+def test_keys_and_switches():
+    x = jnp.ones((4, 64))
+    layer = Dropout(0.5, rngs=nnx.Rngs(dropout=0))
+    a, b = (np.asarray(layer(x, deterministic=False, rngs=jax.random.key(k))) for k in (1, 2))
+    np.testing.assert_array_equal(a, np.asarray(layer(x, deterministic=False, rngs=jax.random.key(1))))
+    assert (a != b).any()
+    # Its own stream advances between calls, as nnx.Dropout's does.
+    assert (np.asarray(layer(x, deterministic=False)) != np.asarray(layer(x, deterministic=False))).any()
+    np.testing.assert_array_equal(np.asarray(layer(x, deterministic=True)), np.asarray(x))
+    np.testing.assert_array_equal(np.asarray(Dropout(1.0, rngs=nnx.Rngs(0))(x, deterministic=False)), 0.0)
+    layer.eval()
+    np.testing.assert_array_equal(np.asarray(layer(x)), np.asarray(x))
+
+
+def test_broadcast_dimensions_share_one_draw():
+    x = jnp.ones((6, 5, 40))
+    y = np.asarray(Dropout(0.5, broadcast_dims=(1,), rngs=nnx.Rngs(dropout=0))(x, deterministic=False))
+    assert (y == y[:, :1]).all()  # one mask for every position along dimension 1
+    assert 0 < (y == 0).mean() < 1
+
+
+def test_rates_at_the_ends_of_the_range():
+    # A rate too small for 16 bits keeps every element unscaled (2^16 levels out of 2^16: beyond uint16's range);
+    # one too close to 1 keeps one level rather than dividing by zero.
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((4, 33)), jnp.float32)
+    key = jax.random.key(0)
+    assert keep_threshold(1e-12) == LEVELS
+    np.testing.assert_array_equal(np.asarray(Dropout(1e-12, rngs=nnx.Rngs(0))(x, rngs=key)), np.asarray(x))
+    assert keep_threshold(1 - 1e-9) == 1
+    y = np.asarray(Dropout(1 - 1e-9, rngs=nnx.Rngs(0))(x, rngs=key))
+    assert np.all(np.isfinite(y))
