@@ -5,7 +5,8 @@ One step = forward, MSE loss of a one-output sequence head, backward, gradient c
 16 x 256 token ids with the last fifth of every other row padded. The model configs are the public base
 checkpoints' (config.json fields as the hub has them, dropout included), built by transformers' config classes
 and read by bertforge's own config.json reader, so both sides run the same architecture. Each implementation runs
-in a fresh process: warm-up (compilation) steps first, then the median time of the timed steps.
+in a fresh process: warm-up (compilation) steps first, then the median time of the timed steps. On a CPU,
+bertforge's process has the glibc allocator tunables that every bertforge command sets there (allocator.py).
 
     .venv/bin/python benchmarks/finetune_step_architectures.py [--archs deberta-v2 modernbert electra distilbert]
         [--device cpu|gpu] [--steps 3]
@@ -27,6 +28,8 @@ import time
 import numpy as np
 import report
 
+from bertforge.allocator import tuned_environment
+
 BATCH, SEQ = 16, 256
 
 # The public base checkpoints' config.json fields (microsoft/deberta-v3-base, answerdotai/ModernBERT-base,
@@ -37,6 +40,12 @@ CONFIGS = {
         "DebertaV2Config",
         dict(
             vocab_size=128100,
+            hidden_size=768,  # DebertaV2Config's defaults are the xlarge model's
+            num_hidden_layers=12,
+            num_attention_heads=12,
+            intermediate_size=3072,
+            pooler_hidden_size=768,
+            max_position_embeddings=512,
             relative_attention=True,
             position_buckets=256,
             norm_rel_ebd="layer_norm",
@@ -206,6 +215,8 @@ def main() -> None:
     if args.device == "cpu":
         env.update(JAX_PLATFORMS="cpu", CUDA_VISIBLE_DEVICES="")
     torch_env = dict(env, JAX_PLATFORMS="cpu")
+    # On a CPU every bertforge command runs with its allocator tunables (allocator.py); its step here does too.
+    env = tuned_environment(env) or env
     rows = []
     for arch in args.archs:
         for name, impl, kw in variants(args.device):
