@@ -126,8 +126,13 @@ def custom_attention(
 ) -> jax.Array:
     """`attention` with the padding mask as its bias (mask may be any boolean broadcastable to (B, 1, Q, T)), and
     `dropout`'s rate on the probabilities when a `key` is given."""
-    rate = 0.0 if key is None or dropout is None else dropout.rate
-    return attention(q, k, v, padding_bias(mask), None if rate == 0.0 else key, window, rate)
+    rate = _dropout_rate(dropout, key)
+    return attention(q, k, v, padding_bias(mask), key if rate else None, window, rate)
+
+
+def _dropout_rate(dropout: nnx.Dropout | None, key: jax.Array | None) -> float:
+    """The rate at which the attention probabilities are dropped: 0 without a key or a dropout."""
+    return 0.0 if key is None or dropout is None else dropout.rate
 
 
 def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, window: int | None = None) -> jax.Array:
@@ -181,8 +186,8 @@ def explicit_attention(
         mask = mask & band(q.shape[1], k.shape[1], window)  # (B, 1, Q, T)
     logits = jnp.einsum("bqnh,btnh->bnqt", q, k, preferred_element_type=jnp.float32) * scale  # (B, N, Q, T)
     probs = jax.nn.softmax(jnp.where(mask, logits, MASK_VALUE), axis=-1)
-    if key is not None and dropout is not None and dropout.rate > 0:
-        probs = dropped(probs, keep_mask(key, dropout.rate, probs.shape), dropout.rate)
+    if rate := _dropout_rate(dropout, key):
+        probs = dropped(probs, keep_mask(key, rate, probs.shape), rate)
     return jnp.einsum("bnqt,btnh->bqnh", probs.astype(v.dtype), v)  # (B, Q, N, H)
 
 
