@@ -411,7 +411,7 @@ def test_flag_mistakes_get_one_line_errors(capsys):
     assert_one_line_error(*run_cli(capsys, "pretrain", "--out", "r", "--train.max_step=1"),
                           "unknown config key 'train.max_step' (did you mean 'train.max_steps'?)")  # fmt: skip
     assert_one_line_error(*run_cli(capsys, "finetune", "--out", "r", "--task", "lm"), "--task", "invalid choice")
-    assert_one_line_error(*run_cli(capsys, "export", "--step", "best"), "bertforge export", "RUN", "--out")
+    assert_one_line_error(*run_cli(capsys, "export", "--step", "best"), "bertforge export", "RUN")
     assert_one_line_error(*run_cli(capsys, "predict", "--model", "m", "--data", "d", "--out", "o", "--batch-size", "x"),
                           "--batch-size", "invalid int value")  # fmt: skip
     assert_one_line_error(*run_cli(capsys, "nonsense"), "invalid choice: 'nonsense'")

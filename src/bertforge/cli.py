@@ -75,8 +75,9 @@ def _pretrain(cfg: Any, args: argparse.Namespace) -> int:
 def _export(cfg: Any, args: argparse.Namespace) -> int:
     from bertforge.tasks import export
 
-    out = export.main(cfg)
-    print(f"exported {cfg.run} ({cfg.step}) -> {out}")
+    out, url = export.main(cfg)
+    done = [f"exported {cfg.run} ({cfg.step}) -> {out}"] if out else []
+    print("\n".join(done + ([f"pushed {cfg.run} ({cfg.step}) to the Hugging Face Hub: {url}"] if url else [])))
     return 0
 
 

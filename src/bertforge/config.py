@@ -64,6 +64,8 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
     if dataclasses.is_dataclass(tp):
         return from_dict(tp, value, key)
     if origin in (tuple, list) or tp in (tuple, list):
+        if isinstance(value, str) and args and args[0] is str:
+            value = [value]  # `--hub.language=ja`: one item of a list of strings
         if not isinstance(value, Sequence) or isinstance(value, str):
             raise UserError(f"config key '{key}': expected a list, got {value!r}")
         item_tp = args[0] if args else Any
@@ -133,7 +135,7 @@ def from_dict(cls: type[T], data: Any, where: str = "") -> T:
     except TypeError as e:  # a required field left out
         raise UserError(f"config '{where or '<root>'}': {e}") from None
     except ValueError as e:  # __post_init__ validation
-        raise UserError(f"config '{where or '<root>'}': {e}") from None
+        raise UserError(f"config '{where}': {e}" if where else str(e)) from None
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

@@ -249,7 +249,7 @@ def load_run(run: str | Path, which: str = "latest") -> Pretrained:
             found = checkpoints.restore_newest_good(target)
             if found is None:
                 raise UserError(f"{run}: every checkpoint is damaged")
-            _, state, _ = found
+            step, state, _ = found
         else:
             state, _ = checkpoints.restore(step, target)
     finally:
@@ -257,7 +257,7 @@ def load_run(run: str | Path, which: str = "latest") -> Pretrained:
     model = nnx.merge(graphdef, state.params, rest)
     assert isinstance(model, MaskedLM)
     tokenizer = BertTokenizer.load(run / TOKENIZER)
-    return Pretrained(model, tokenizer, "mlm", {}, None, run, [])
+    return Pretrained(model, tokenizer, "mlm", {}, None, run, [], step)
 
 
 def load_model(name: str | os.PathLike, head: str | None = None, **options: Any) -> Pretrained:

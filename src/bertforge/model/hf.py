@@ -143,6 +143,7 @@ class Pretrained:
     problem_type: str | None
     folder: Path
     missing_head: list[str]  # head parameters initialised fresh because the checkpoint lacks them
+    step: int | None = None  # a run's checkpoint step
 
 
 def resolve(name: str | os.PathLike) -> Path:
@@ -241,7 +242,7 @@ def save_pretrained(
     out: str | os.PathLike,
     tokenizer: BertTokenizer | None = None,
     id2label: dict[int, str] | None = None,
-    extra_files: dict[str, str] | None = None,
+    extra_files: dict[str, str | bytes] | None = None,
 ) -> Path:
     """Write a folder that transformers' AutoModelForMaskedLM / AutoModelForSequenceClassification load.
 

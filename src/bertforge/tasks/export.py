@@ -1,27 +1,93 @@
-"""`bertforge export RUN`: a pretraining run's weights as a Hugging Face folder (config, safetensors, tokenizer)."""
+"""`bertforge export RUN`: a pretraining run's weights as a Hugging Face folder (config, safetensors, tokenizer, a
+model card), and with `--push-to-hub ORG/NAME` that folder published on the Hugging Face Hub."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import tempfile
 from pathlib import Path
+from typing import Any
 
-from bertforge import runs
+from bertforge import hub, runs
+from bertforge.card import card_files
+from bertforge.config import read_yaml
+from bertforge.errors import UserError
+from bertforge.model.heads import MaskedLM
 from bertforge.model.hf import save_pretrained
+from bertforge.tokenizer import BertTokenizer
+from bertforge.train.logging import read_metrics
 
 
 @dataclasses.dataclass(frozen=True)
 class ExportConfig:
     run: str  # run folder
-    out: str  # Hugging Face folder to write
+    out: str = ""  # Hugging Face folder to write (with --push-to-hub and no --out: a temporary one)
     step: str = "latest"  # latest, best, or a step number
+    push_to_hub: str = ""  # ORG/NAME: publish the folder in this Hub model repository (made when missing)
+    private: bool = False  # make the Hub repository private when it is created
+    revision: str = ""  # Hub branch to push to (made when missing); default: main
+    message: str = ""  # commit message of the push
+    language: tuple[str, ...] = ()  # the model card's languages (ISO 639-1 codes such as en, ja)
+    datasets: tuple[str, ...] = ()  # the model card's datasets (Hub dataset ids)
+    license: str = ""  # the model card's license (a Hub license id such as apache-2.0)
+
+    def __post_init__(self) -> None:
+        problem = hub.repo_problem(self.push_to_hub) if self.push_to_hub else None
+        if problem is not None:
+            raise ValueError(f"--push-to-hub {self.push_to_hub!r}: not a repository name the Hub accepts ({problem})")
 
 
-def main(cfg: ExportConfig) -> Path:
-    """Export RUN's model at checkpoint `step` ('latest', 'best' or a step) into `out`, with the run's run.json
-    (and where it lies) as bertforge.json."""
-    run, out, which = cfg.run, cfg.out, cfg.step
-    pre = runs.load_run(run, which)
+def export_pretrained(
+    model: MaskedLM,
+    tokenizer: BertTokenizer,
+    run: str | Path,
+    out: str | Path,
+    step: int,
+    name: str = "",
+    card: dict[str, Any] | None = None,
+) -> Path:
+    """Write pretraining run `run`'s `model` (its state at `step`) into `out`, with a model card and the run's
+    run.json (and where it lies) as bertforge.json. `card` holds the card's language, datasets and license."""
+    run = Path(run)
     info = runs.read_info(run) or {}
-    provenance = json.dumps({"run": str(Path(run).absolute()), **info}, indent=2) + "\n"
-    return save_pretrained(pre.model, out, pre.tokenizer, extra_files={"bertforge.json": provenance})
+    provenance = json.dumps({"run": str(run.absolute()), "step": step, **info}, indent=2) + "\n"
+    config = read_yaml(run / runs.CONFIG) if (run / runs.CONFIG).exists() else {}
+    config.pop("hub", None)  # where it was pushed is no part of how it was trained
+    records = [r for r in read_metrics(run) if r.get("step", 0) <= step]
+    files = card_files(
+        name=name or run.name,  # not the folder written: the same run gives the same card wherever it goes
+        kind="pretrain",
+        records=records,
+        model=model.config,
+        head="mlm",
+        config=config,
+        step=step,
+        metrics=("perplexity", "accuracy"),
+        **(card or {}),
+    )
+    return save_pretrained(model, out, tokenizer, extra_files={**files, "bertforge.json": provenance})
+
+
+def main(cfg: ExportConfig) -> tuple[Path | None, str | None]:
+    """Export RUN's model at checkpoint `step` ('latest', 'best' or a step) into `out` and/or push it; returns the
+    folder (None when it was a temporary one) and the Hub commit's URL (None without a push)."""
+    if not cfg.out and not cfg.push_to_hub:
+        raise UserError("nowhere to export to: give --out FOLDER, --push-to-hub ORG/NAME, or both")
+    pre = runs.load_run(cfg.run, cfg.step)
+    assert isinstance(pre.model, MaskedLM) and pre.tokenizer is not None and pre.step is not None
+    card = {"language": cfg.language, "datasets": cfg.datasets, "license": cfg.license}
+    name = cfg.push_to_hub
+    with tempfile.TemporaryDirectory(prefix="bertforge-export-") as tmp:
+        out = Path(cfg.out) if cfg.out else Path(tmp) / (name.split("/")[-1] or "model")
+        export_pretrained(pre.model, pre.tokenizer, cfg.run, out, pre.step, name, card)
+        url = None
+        if cfg.push_to_hub:
+            message = cfg.message or f"bertforge export of {Path(cfg.run).name} at step {pre.step}"
+            try:
+                url = hub.push_folder(out, cfg.push_to_hub, private=cfg.private, revision=cfg.revision, message=message)
+            except Exception as e:  # the network, the token, the Hub's refusal: the user's to fix
+                reason = (str(e).splitlines() or [type(e).__name__])[0]
+                kept = f"; the export is in {out}" if cfg.out else ""
+                raise UserError(f"pushing to {cfg.push_to_hub} failed ({reason}){kept}") from None
+    return (Path(cfg.out) if cfg.out else None), url

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from bertforge import runs
+from bertforge import hub, runs
 from bertforge.config import to_dict
 from bertforge.data.folds import FoldsConfig, check_classes, fold_plan, folds_to_run
 from bertforge.data.labelled import DataConfig, Table, read_table, sorted_classes
@@ -70,6 +70,7 @@ class FinetuneConfig:
     optim: OptimConfig = dataclasses.field(default_factory=_finetune_optim)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     log: LogConfig = dataclasses.field(default_factory=lambda: LogConfig(every=10, tensorboard=False))
+    hub: hub.HubConfig = dataclasses.field(default_factory=hub.HubConfig)
 
 
 def _setup(cfg: FinetuneConfig) -> tuple[Pretrained, Table, Table | None, list[int], np.ndarray | None]:
@@ -108,7 +109,7 @@ def main(cfg: FinetuneConfig, out: str, resume: str = "auto") -> dict[str, Any]:
         return _main(cfg, run_dir, resume, pre, table, valid, run, folds)
 
 
-def _job(cfg: FinetuneConfig, run_dir: Path, pre: Pretrained, table: Table, valid: Table | None) -> Job:
+def _job(cfg: FinetuneConfig, run_dir: Path, pre: Pretrained, table: Table, valid: Table | None, several: bool) -> Job:
     """The encoded tables, the mesh, the optimizer and the compiled programs every fold shares."""
     limit = min(cfg.data.max_length, pre.model.config.max_seq_len)
     encode = functools.partial(pre.tokenizer.encode_batch, max_length=limit, truncation=cfg.data.truncation)
@@ -151,6 +152,10 @@ def _job(cfg: FinetuneConfig, run_dir: Path, pre: Pretrained, table: Table, vali
         tx=tx,
         step_jit=loop.compile_train_step(train_step, graphdef, rest, tx, step_cfg, state_shardings),
         forward_jit=jax.jit(functools.partial(predict_step, graphdef, rest), out_shardings=replicated),
+        base_model=cfg.model,
+        hub=cfg.hub,
+        publisher=hub.Publisher(cfg.hub) if cfg.hub.repo and jax.process_index() == 0 else None,
+        hub_folder="fold-{fold}" if several else "",
     )
 
 
@@ -166,14 +171,32 @@ def _main(
 ) -> dict[str, Any]:
     if resume == "never" and any((runs.fold_dir(run_dir, f) / runs.RESULT).exists() for f in run):
         raise UserError(f"{run_dir}: already has finished folds; use another --out, or --resume auto to continue")
-    job = _job(cfg, run_dir, pre, table, valid)
+    job = _job(cfg, run_dir, pre, table, valid, several=len(run) > 1)
+    try:
+        summary = _folds(cfg, run_dir, resume, job, table, valid, run, folds)
+    finally:
+        if job.publisher is not None:
+            job.publisher.close(wait=False)  # stopped by a signal or an error: no waiting on the network
+    return summary
+
+
+def _folds(
+    cfg: FinetuneConfig,
+    run_dir: Path,
+    resume: str,
+    job: Job,
+    table: Table,
+    valid: Table | None,
+    run: list[int],
+    folds: np.ndarray | None,
+) -> dict[str, Any]:
     if jax.process_index() == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         runs.write_config(run_dir, cfg)
         info = {
             "task": cfg.head.task,
             "targets": list(cfg.data.target_columns),
-            "labels": [pre.id2label[i] for i in range(len(pre.id2label))],
+            "labels": [job.pre.id2label[i] for i in range(len(job.pre.id2label))],
             "text_column": cfg.data.text_column,
             "text_pair_column": cfg.data.text_pair_column,
             "max_length": job.limit,
@@ -197,6 +220,9 @@ def _main(
         result = train_fold(job, f, train_rows, valid_rows, resume)
         print(f"fold {f}: {job.metric} {result['score']:.4f} in {result['seconds']:.0f} s", flush=True)
         results.append(result)
+    if job.publisher is not None:
+        print(f"waiting for the last push to {cfg.hub.repo} to finish", flush=True)
+        job.publisher.close()
     return _summarise(cfg, job, results)
 
 

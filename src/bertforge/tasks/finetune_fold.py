@@ -16,16 +16,18 @@ import numpy as np
 from flax import nnx
 
 from bertforge import runs
+from bertforge.card import card_files
 from bertforge.data.batching import bucket_length, epoch_batches, pad_batch
 from bertforge.data.labelled import Table
 from bertforge.errors import UserError
+from bertforge.hub import HubConfig, Publisher
 from bertforge.model.hf import Pretrained, save_pretrained
 from bertforge.parallel import fetch, global_array
 from bertforge.tasks.infer import INPUTS, outputs_by_length
 from bertforge.tokenizer import Encoded
 from bertforge.train import loop, metrics
 from bertforge.train.checkpoint import Checkpoints
-from bertforge.train.logging import LogConfig, MetricsLog
+from bertforge.train.logging import LogConfig, MetricsLog, read_metrics
 from bertforge.train.optim import OptimConfig, learning_rate, warmup_fraction
 from bertforge.train.sequence_step import LOSSES
 from bertforge.train.step import TrainState, new_train_state
@@ -77,6 +79,36 @@ class Job:
     tx: Any
     step_jit: Any
     forward_jit: Any
+    base_model: str = ""  # what `--model` named: the model card's base model
+    hub: HubConfig = dataclasses.field(default_factory=HubConfig)
+    publisher: Publisher | None = None  # process 0's pushes to hub.repo
+    hub_folder: str = ""  # where in the Hub repository this run's models go: fold-K/ when it trains several
+
+
+HUB_STAGING = ".hub"  # FOLD/.hub/step-N: exports waiting for their push to the Hub
+
+
+def write_model(job: Job, fold_dir: Path, params: Any, out: Path, step: int) -> None:
+    """The fold's model with `params` (its state at `step`) as a Hugging Face folder `out`, with a model card whose
+    curves run to the last step logged (process 0 only)."""
+    model = nnx.merge(job.graphdef, params, job.rest)
+    config = {k: v for k, v in job.config.items() if k != "hub"}
+    records = read_metrics(fold_dir)
+    card = card_files(
+        name=job.hub.repo if job.hub.repo else f"{job.run_dir.name}-{fold_dir.name}",
+        kind="finetune",
+        records=records,
+        model=model.config,
+        head="sequence",
+        config=config,
+        step=step,
+        metrics=(job.metric,),
+        base_model=job.base_model,
+        language=job.hub.language,
+        datasets=job.hub.datasets,
+        license=job.hub.license,
+    )
+    save_pretrained(model, out, job.pre.tokenizer, job.pre.id2label, extra_files=card)
 
 
 def _batch(job: Job, rows: np.ndarray, length: int) -> dict[str, np.ndarray]:
@@ -111,6 +143,8 @@ def train_fold(job: Job, fold: int, train_rows: np.ndarray, valid_rows: np.ndarr
     valid_encs = [(job.valid_encs or job.encs)[i] for i in valid_rows]
     valid_targets = (job.valid_table or job.table).targets[valid_rows]
 
+    if jax.process_index() == 0:
+        shutil.rmtree(fold_dir / HUB_STAGING, ignore_errors=True)  # exports a killed run had not pushed yet
     state = new_train_state(jax.device_put(job.pristine, job.param_shardings), job.tx, mesh)
     checkpoints = Checkpoints(fold_dir / runs.CHECKPOINTS, keep_last=1, keep_best=1)
     state, meta = runs.resume(checkpoints, state, fold_dir, resume)
@@ -153,6 +187,12 @@ def train_fold(job: Job, fold: int, train_rows: np.ndarray, valid_rows: np.ndarr
         meta = {"elapsed": time.perf_counter() - started + elapsed, "step": step}
         score = None if evaluation is None else sign * evaluation[f"valid_{job.metric}"]
         checkpoints.save(step, state, meta, valid_loss=score)
+        if job.hub.repo and (step // every) % job.hub.every == 0:
+            params = fetch(state.params)  # every process takes part when the parameters are split over hosts
+            if job.publisher is not None:
+                folder = fold_dir / HUB_STAGING / f"step-{step}"
+                write_model(job, fold_dir, params, folder, step)
+                job.publisher.submit(folder, f"fold {fold}, step {step}", job.hub_folder.format(fold=fold))
 
     log.message(
         f"fold {fold}: {len(train_rows)} training rows, {len(valid_rows)} validation rows; {steps} steps of "
@@ -188,8 +228,12 @@ def train_fold(job: Job, fold: int, train_rows: np.ndarray, valid_rows: np.ndarr
     found = scores(job, outputs, valid_targets)
     params = fetch(state.params)  # every process takes part when the parameters are split over hosts
     if jax.process_index() == 0:
-        model = nnx.merge(job.graphdef, params, job.rest)
-        save_pretrained(model, fold_dir / runs.MODEL, job.pre.tokenizer, job.pre.id2label)
+        write_model(job, fold_dir, params, fold_dir / runs.MODEL, int(best))
+        if job.publisher is not None:
+            folder = fold_dir / HUB_STAGING / "final"
+            shutil.rmtree(folder, ignore_errors=True)
+            shutil.copytree(fold_dir / runs.MODEL, folder)
+            job.publisher.submit(folder, f"fold {fold}, best model (step {best})", job.hub_folder.format(fold=fold))
     result = {
         "fold": fold,
         "metric": job.metric,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from bertforge import runs
+from bertforge import hub, runs
 from bertforge.bench.flops import device_peak_flops, train_flops_per_token
 from bertforge.config import to_dict
 from bertforge.data.masking import MaskingSpec, continuation_table
@@ -26,7 +27,16 @@ from bertforge.errors import UserError
 from bertforge.fileio import write_folder_atomic
 from bertforge.model.architectures import build, count_params
 from bertforge.model.config import ModelConfig, preset
-from bertforge.parallel import MeshConfig, batch_sharding, build_mesh, global_array, param_shardings, process_0s
+from bertforge.parallel import (
+    MeshConfig,
+    batch_sharding,
+    build_mesh,
+    fetch,
+    global_array,
+    param_shardings,
+    process_0s,
+)
+from bertforge.tasks.export import export_pretrained
 from bertforge.tasks.init import fit_to_tokenizer
 from bertforge.tokenizer import BertTokenizer
 from bertforge.train import loop
@@ -93,6 +103,10 @@ class PretrainConfig:
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     log: LogConfig = dataclasses.field(default_factory=LogConfig)
+    hub: hub.HubConfig = dataclasses.field(default_factory=hub.HubConfig)
+
+
+HUB_STAGING = ".hub"  # RUN/.hub/step-N: exports waiting for their push to the Hub
 
 
 # ------------------------------------------------------------------------------------------------------ set-up
@@ -249,6 +263,7 @@ def _main(cfg: PretrainConfig, run_dir: Path, resume: str, vocab_given: bool) ->
         start_step, elapsed = int(state.step), float(meta.get("elapsed", 0.0))
 
     if jax.process_index() == 0:
+        shutil.rmtree(run_dir / HUB_STAGING, ignore_errors=True)  # exports a killed run had not pushed yet
         if not (run_tokenizer / "tokenizer.json").exists():
             write_folder_atomic(run_tokenizer, tokenizer.save)
         runs.write_config(run_dir, cfg)
@@ -276,9 +291,26 @@ def _main(cfg: PretrainConfig, run_dir: Path, resume: str, vocab_given: bool) ->
         last.update(metrics)
         log.record(step, metrics, ("loss", "lr", "valid_loss"))
 
+    publisher = hub.Publisher(cfg.hub, log.message) if cfg.hub.repo and jax.process_index() == 0 else None
+    published: list[int] = []
+
+    def publish(step: int, state: TrainState) -> None:
+        """The model at `step` exported and handed to the background push (every process fetches its part)."""
+        params = fetch(state.params)
+        published.append(step)
+        if publisher is None:
+            return
+        folder = run_dir / HUB_STAGING / f"step-{step}"
+        card = {"language": cfg.hub.language, "datasets": cfg.hub.datasets, "license": cfg.hub.license}
+        model = nnx.merge(graphdef, params, rest)
+        export_pretrained(model, tokenizer, run_dir, folder, step, cfg.hub.repo, card)
+        publisher.submit(folder, f"step {step}")
+
     def save(step: int, state: TrainState, evaluation: dict[str, float] | None) -> None:
         meta = {"loader": loader.state_dict(), "elapsed": last.get("elapsed", 0.0), "step": step}
         checkpoints.save(step, state, meta, valid_loss=None if evaluation is None else evaluation["valid_loss"])
+        if cfg.hub.repo and (step // cfg.checkpoint.every) % cfg.hub.every == 0:
+            publish(step, state)
 
     def evaluate(step: int, state: TrainState) -> dict[str, float] | None:
         return None if valid_shards is None else _evaluate(eval_fn, state.params, valid_shards, cfg, mesh)
@@ -311,7 +343,12 @@ def _main(cfg: PretrainConfig, run_dir: Path, resume: str, vocab_given: bool) ->
         )
         if checkpoints.latest_step() != step:
             save(step, state, None)
+        if cfg.hub.repo and step not in published:
+            publish(step, state)
         checkpoints.wait()
+        if publisher is not None:
+            log.message(f"waiting for the last push to {cfg.hub.repo} to finish")
+            publisher.close()
     except loop.NonFiniteLoss as e:
         checkpoints.wait()
         good = checkpoints.latest_step()
@@ -324,6 +361,8 @@ def _main(cfg: PretrainConfig, run_dir: Path, resume: str, vocab_given: bool) ->
             f"{e}; no weights were updated with it and {where}; lower optim.lr or set optim.clip_norm"
         ) from None
     finally:
+        if publisher is not None:
+            publisher.close(wait=False)  # stopped by a signal or an error: no waiting on the network
         loader.close()
         log.close()
         checkpoints.close()

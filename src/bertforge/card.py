@@ -1,0 +1,148 @@
+"""The model card every export carries: README.md with the Hub's YAML metadata, the training config, the final
+metrics and the training curves (curves.png beside it)."""
+
+from __future__ import annotations
+
+import io
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from bertforge.model.architectures import config_to_hf
+from bertforge.model.config import ModelConfig
+
+CARD = "README.md"
+CURVES = "curves.png"
+
+PIPELINES = {"mlm": "fill-mask", "sequence": "text-classification"}
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.\-]*/[\w.\-]+")
+
+
+def _metadata(
+    model: ModelConfig, head: str, metrics: list[str], base_model: str, language: tuple[str, ...],
+    datasets: tuple[str, ...], license: str,
+) -> dict[str, Any]:  # fmt: skip
+    meta: dict[str, Any] = {"library_name": "transformers"}
+    if license:
+        meta["license"] = license
+    if language:
+        meta["language"] = list(language)
+    if datasets:
+        meta["datasets"] = list(datasets)
+    # The Hub takes a base model only as a repository id; a local folder means nothing to it.
+    if base_model and HUB_ID.fullmatch(base_model) and not Path(base_model).exists():
+        meta["base_model"] = base_model
+    meta["pipeline_tag"] = PIPELINES[head]
+    meta["tags"] = ["bertforge", config_to_hf(model, head)["model_type"], PIPELINES[head]]
+    if metrics:
+        meta["metrics"] = metrics
+    return meta
+
+
+def final_metrics(records: list[dict[str, Any]], step: int | None = None) -> dict[str, float]:
+    """The last logged value of each metric up to `step` (all steps when None)."""
+    found: dict[str, float] = {}
+    for r in records:
+        if step is not None and r.get("step", 0) > step:
+            break
+        for k, v in r.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                found[k] = float(v)
+    return found
+
+
+def _table(values: dict[str, float]) -> str:
+    shown = ["step", "tokens", "epoch", "loss", *sorted(k for k in values if k.startswith("valid_"))]
+    rows = [f"| {k} | {values[k]:.6g} |" for k in shown if k in values and math.isfinite(values[k])]
+    return "\n".join(["| metric | value |", "|---|---|", *rows]) if rows else "No metrics were logged."
+
+
+def model_card(
+    *,
+    name: str,
+    model: ModelConfig,
+    head: str,
+    kind: str,
+    config: dict[str, Any],
+    records: list[dict[str, Any]],
+    step: int | None = None,
+    metrics: tuple[str, ...] = (),
+    base_model: str = "",
+    language: tuple[str, ...] = (),
+    datasets: tuple[str, ...] = (),
+    license: str = "",
+    curves: bool = True,
+) -> str:
+    """README.md of an exported model: `name` its Hub repository (ORG/NAME) or folder name, `kind` 'pretrain' or
+    'finetune', `records` its metrics.jsonl."""
+    meta = _metadata(model, head, list(metrics), base_model, language, datasets, license)
+    what = "masked-language model" if head == "mlm" else "sequence-classification model"
+    how = "pretrained" if kind == "pretrain" else "fine-tuned"
+    model_type = meta["tags"][1]
+    auto = "AutoModelForMaskedLM" if head == "mlm" else "AutoModelForSequenceClassification"
+    where = name if "/" in name else "path/to/this/folder"  # a Hub repository, or wherever it was written
+    size = f"{model.num_layers} layers, hidden size {model.hidden_size}, vocabulary {model.vocab_size:,}"
+    lines = [
+        "---",
+        yaml.safe_dump(meta, sort_keys=False, allow_unicode=True).rstrip(),
+        "---",
+        "",
+        f"# {name}",
+        "",
+        f"A {model_type} {what} ({size}) {how} with bertforge"
+        + (f" from {base_model}" if base_model and kind == "finetune" else "")
+        + (f", at step {step}" if step is not None else "")
+        + ".",
+        "",
+        "```python",
+        f"from transformers import AutoTokenizer, {auto}",
+        "",
+        f'tokenizer = AutoTokenizer.from_pretrained("{where}")',
+        f'model = {auto}.from_pretrained("{where}")',
+        "```",
+        "",
+        "## Results",
+        "",
+        _table(final_metrics(records, step)),
+        "",
+    ]
+    if curves:
+        lines += [f"![training curves]({CURVES})", ""]
+    lines += [
+        "## Training configuration",
+        "",
+        "```yaml",
+        yaml.safe_dump(config, sort_keys=False, allow_unicode=True).rstrip(),
+        "```",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def curves_png(kind: str, name: str, records: list[dict[str, Any]]) -> bytes | None:
+    """The run's curves as PNG bytes; None when nothing was logged."""
+    from bertforge import plot
+
+    if not any("loss" in r for r in records):
+        return None
+    if kind == "pretrain":
+        fig = plot.pretrain_figure(name, records)
+    else:
+        fig = plot.finetune_figure(name, {name: records}, None, [])
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    plot._pyplot().close(fig)
+    return buf.getvalue()
+
+
+def card_files(*, name: str, kind: str, records: list[dict[str, Any]], **card: Any) -> dict[str, str | bytes]:
+    """{README.md: the card, curves.png: the curves} for save_pretrained's extra files."""
+    png = curves_png(kind, name, records)
+    text = model_card(name=name, kind=kind, records=records, curves=png is not None, **card)
+    files: dict[str, str | bytes] = {CARD: text}
+    if png is not None:
+        files[CURVES] = png
+    return files
