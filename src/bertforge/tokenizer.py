@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -198,6 +199,33 @@ class BertTokenizer:
         every = sorted(i for i, t in self.tok.get_added_tokens_decoder().items() if t.special)
         named = {"cls": self.cls_id, "sep": self.sep_id, "pad": self.pad_id, "mask": self.mask_id, "unk": self.unk_id}
         return {**named, "all": sorted(set(every) | set(named.values()))}
+
+    def word_marks(self) -> dict[str, str]:
+        """How this tokenizer marks words, as data.masking.continuation_table takes it: WordPiece's continuation
+        prefix, SentencePiece's '▁' or byte-level BPE's 'Ġ' word starts, or nothing (a word-level vocabulary)."""
+        data = json.loads(self.tok.to_str())
+        model = data.get("model") or {}
+        kind = model.get("type")
+        if kind == "WordPiece":
+            return {"prefix": model.get("continuing_subword_prefix") or "##", "word_start": ""}
+        if kind == "WordLevel":
+            return {"prefix": "", "word_start": ""}
+        return {"prefix": "", "word_start": "Ġ" if "ByteLevel" in json.dumps(data.get("pre_tokenizer")) else "▁"}
+
+    def check_keeps_words(self, docs: Sequence[str], who: str, words_per_doc: int = 200) -> None:
+        """For text whose words are separated by spaces: a UserError when this tokenizer would cut a given word
+        into several (BERT's normaliser puts every CJK character apart), and a warning when no line has a space."""
+        if not any(len(line.split()) > 1 for d in docs for line in d.splitlines()):
+            print(f"warning: {who}: no line of the first {len(docs)} documents has a space between words: every "
+                  "line is one word", file=sys.stderr)  # fmt: skip
+        norm, pre = self.tok.normalizer, self.tok.pre_tokenizer
+        for doc in docs:
+            for word in doc.split()[:words_per_doc]:
+                text = norm.normalize_str(word) if norm else word
+                pieces = [p for p, _ in pre.pre_tokenize_str(text)] if pre else [text]
+                if len(pieces) > 1:
+                    raise UserError(f"{who} cuts the given word {word!r} into {pieces}; train one with "
+                                    "--type wordlevel or --type unigram")  # fmt: skip
 
     def num_special(self, pair: bool = False) -> int:
         t = self.template

@@ -1,4 +1,9 @@
-"""`bertforge tokenizer train`: WordPiece, Unigram or byte-level BPE tokenizers trained on text files.
+"""`bertforge tokenizer train`: WordPiece, Unigram, byte-level BPE or word-level tokenizers trained on text files.
+
+The Unigram tokenizer is SentencePiece's: spaces are kept as '▁' at the start of a piece and one is added at the
+start of a text only, so text without spaces (Japanese, Chinese) is segmented as a whole and decodes without stray
+spaces. The word-level tokenizer is for text whose words are already separated by spaces (segmented by MeCab,
+Sudachi or Jieba, as fairseq's `--tokenizer space` takes it): every word is a token, the rare ones [UNK].
 
 The result is a folder that `transformers.AutoTokenizer.from_pretrained` and `BertTokenizer.load` read.
 """
@@ -17,7 +22,7 @@ from bertforge.data.documents import expand_files, iter_documents
 from bertforge.errors import UserError
 from bertforge.tokenizer import STYLES, BertTokenizer, Style, post_processor, vocab_order
 
-Kind = Literal["wordpiece", "unigram", "bpe"]
+Kind = Literal["wordpiece", "unigram", "bpe", "wordlevel"]
 KINDS: tuple[str, ...] = get_args(Kind)
 
 
@@ -41,10 +46,18 @@ def build_untrained(kind: str, style: str, lowercase: bool) -> tuple[Tokenizer, 
         tok = Tokenizer(models.Unigram())
         norms = [normalizers.NFKC()] + ([normalizers.Lowercase()] if lowercase else [])
         tok.normalizer = normalizers.Sequence(norms)
-        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
-        tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
+        # '▁' before the first word only, not after every special token: "東京は[MASK]の" must not become "▁の".
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+        tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
         trainer = trainers.UnigramTrainer
         extra = {"unk_token": s.unk}
+    elif kind == "wordlevel":
+        tok = Tokenizer(models.WordLevel(unk_token=s.unk))
+        if lowercase:
+            tok.normalizer = normalizers.Lowercase()
+        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()  # the given words, never split further
+        trainer = trainers.WordLevelTrainer
+        extra = {}
     else:  # byte-level BPE, as GPT-2 and RoBERTa
         tok = Tokenizer(models.BPE())
         if lowercase:

@@ -156,3 +156,12 @@ def iter_documents(path: str, fmt: str = "auto", doc_per_line: bool = False, tex
         yield doc
     if empty:
         raise UserError(f"{path}: no text in this file")
+
+
+def file_size(path: str) -> int:
+    """The size in bytes of a local or fsspec file; 0 when unknown."""
+    fs, _, (p,) = fsspec.get_fs_token_paths(path)
+    try:
+        return int(fs.size(p) or 0)
+    except (OSError, TypeError):
+        return 0  # unknown size: the progress bar shows bytes without a total

@@ -38,12 +38,23 @@ class MaskingSpec:
             raise ValueError("mask_fraction and random_fraction must be >= 0 and sum to at most 1")
 
 
-def continuation_table(vocab: dict[str, int], vocab_size: int, prefix: str = "##") -> tuple[bool, ...]:
-    """Per id: does this WordPiece token continue the previous one? (for whole-word masking)"""
+def continuation_table(
+    vocab: dict[str, int], vocab_size: int, prefix: str = "##", word_start: str = "", special: Sequence[int] = ()
+) -> tuple[bool, ...]:
+    """Per id: does this token continue the previous word? (for whole-word masking)
+
+    WordPiece marks a piece that continues a word (`prefix` '##'); SentencePiece and byte-level BPE mark the piece
+    that starts one (`word_start` '▁' or 'Ġ': every other piece continues); a word-level vocabulary marks neither
+    (both empty: every token is a word)."""
     table = np.zeros(vocab_size, bool)
+    skip = set(special)
     for token, i in vocab.items():
-        if token.startswith(prefix) and i < vocab_size:
-            table[i] = True
+        if i >= vocab_size or i in skip:
+            continue
+        if word_start:
+            table[i] = not token.startswith(word_start)
+        elif prefix:
+            table[i] = token.startswith(prefix)
     return tuple(bool(x) for x in table)
 
 

@@ -32,7 +32,7 @@ import fsspec
 import numpy as np
 from tqdm.auto import tqdm
 
-from bertforge.data.documents import InputFormat, expand_files, iter_documents, split_sentences
+from bertforge.data.documents import InputFormat, expand_files, file_size, iter_documents, split_sentences
 from bertforge.errors import UserError
 from bertforge.tokenizer import BertTokenizer
 
@@ -58,6 +58,7 @@ class PreprocessConfig:
     doc_per_line: bool = False  # text: one document per line, not per blank-line block
     text_field: str = "text"  # JSONL field or Parquet column holding the text
     seed: int = 0  # decides which documents are held out
+    pretokenized: bool = False  # words split by spaces (MeCab, Jieba output), which the tokenizer must keep whole
 
     def __post_init__(self) -> None:
         if self.mode not in get_args(Mode):
@@ -262,14 +263,6 @@ def _chunks(docs: Iterator[str], size: int) -> Iterator[list[str]]:
         yield chunk
 
 
-def _size(path: str) -> int:
-    fs, _, (p,) = fsspec.get_fs_token_paths(path)
-    try:
-        return int(fs.size(p) or 0)
-    except (OSError, TypeError):
-        return 0  # unknown size: the progress bar shows bytes without a total
-
-
 def _peak_memory_mb() -> float:
     own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
@@ -318,7 +311,7 @@ def main(cfg: PreprocessConfig, progress: bool | None = None) -> dict[str, Any]:
     dtype = np.dtype(np.uint16 if tok.vocab_size <= 2**16 else np.int32)
     writers = {split: ShardWriter(fs, root, split, cfg.shard_size, dtype) for split in ("train", "valid")}
     packers = {split: Packer(cfg.seq_len, cfg.mode, tok.cls_id, tok.sep_id, tok.pad_id) for split in writers}
-    total_bytes = sum(_size(f) for f in train_files + valid_files)
+    total_bytes = sum(file_size(f) for f in train_files + valid_files)
 
     def labelled() -> Iterator[tuple[str, str]]:
         index = 0
@@ -335,6 +328,7 @@ def main(cfg: PreprocessConfig, progress: bool | None = None) -> dict[str, Any]:
         yield from _chunks(labelled(), CHUNK_DOCS)
 
     by_sentence = cfg.mode != "concat"
+    checked = not cfg.pretokenized
     show = sys.stderr.isatty() if progress is None else progress
     bar = tqdm(total=total_bytes or None, unit="B", unit_scale=True, desc="preprocess", disable=not show)
     start = time.perf_counter()
@@ -342,6 +336,9 @@ def main(cfg: PreprocessConfig, progress: bool | None = None) -> dict[str, Any]:
     documents = collections.Counter()
     fn = _work_by_sentence if by_sentence else _work_whole
     for chunk, tokenized in _ordered_map(fn, chunks(), cfg.workers, cfg.tokenizer, tok):
+        if not checked:
+            tok.check_keeps_words([d for _, d in chunk], f"--pretokenized: the tokenizer {cfg.tokenizer}")
+            checked = True
         for (split, doc), pieces in zip(chunk, tokenized, strict=True):
             documents[split] += 1
             text_tokens += sum(len(p) for p in pieces)

@@ -56,22 +56,27 @@ def fill_mask(pre: Pretrained, texts: Sequence[str], top_k: int = 5) -> list[lis
     arrays = (jnp.asarray(batch[k]) for k in ("input_ids", "attention_mask", "token_type_ids"))
     probs = np.asarray(_masked_probs(pre.model, *arrays, jnp.asarray(rows), jnp.asarray(cols)))
     k = min(top_k, probs.shape[-1])
+    # SentencePiece-style tokenizers write a word's space as part of its piece: decoding the filled ids would put a
+    # space before a piece that starts a word even where the text has none (Japanese, Chinese). Their filled
+    # sentence is the text as given with the token put in place of the mask.
+    in_place = tok.word_marks()["word_start"] == "\u2581"
     results: list[list[list[dict[str, Any]]]] = [[] for _ in texts]
     for m, (r, c) in enumerate(zip(rows, cols, strict=True)):
         top = np.argsort(-probs[m], kind="stable")[:k]
         ids = list(encs[r].ids)
+        parts = texts[r].split(tok.mask_token)
+        which = len(results[r])  # the how-manyth mask of its text
         options = []
         for tid in top:
-            filled = ids.copy()
-            filled[c] = int(tid)
-            options.append(
-                {
-                    "score": float(probs[m, tid]),
-                    "token": int(tid),
-                    "token_str": tok.decode([int(tid)], skip_special_tokens=False),
-                    "sequence": tok.decode(filled, skip_special_tokens=True),
-                }
-            )
+            token_str = tok.decode([int(tid)], skip_special_tokens=False)
+            if in_place:
+                sequence = tok.mask_token.join(parts[: which + 1]) + token_str + tok.mask_token.join(parts[which + 1 :])
+            else:
+                filled = ids.copy()
+                filled[c] = int(tid)
+                sequence = tok.decode(filled, skip_special_tokens=True)
+            options.append({"score": float(probs[m, tid]), "token": int(tid), "token_str": token_str,
+                            "sequence": sequence})  # fmt: skip
         results[r].append(options)
     return results
 

@@ -124,7 +124,8 @@ def total_steps(cfg: TrainConfig, batches_per_epoch: int, seq_len: int) -> int |
 def _masking_spec(cfg: PretrainConfig, tokenizer: BertTokenizer, special: dict[str, Any], vocab: int) -> MaskingSpec:
     continues = ()
     if cfg.mlm.whole_word:
-        continues = continuation_table(tokenizer.tok.get_vocab(with_added_tokens=True), vocab)
+        vocabulary = tokenizer.tok.get_vocab(with_added_tokens=True)
+        continues = continuation_table(vocabulary, vocab, special=special["all"], **tokenizer.word_marks())
     return MaskingSpec(
         mask_id=int(special["mask"]),
         vocab_size=tokenizer.vocab_size,
