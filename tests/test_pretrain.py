@@ -254,6 +254,27 @@ def test_schedules_in_closed_form():
     cos = OptimConfig(lr=1.0, schedule="cosine", end_lr_ratio=end)
     assert learning_rate(cos, 0.55, 0.1) == pytest.approx(end + 0.9 * 0.5)
     assert learning_rate(cos, 1.0, 0.1) == pytest.approx(end)
+    wsd = OptimConfig(lr=1.0, schedule="wsd", end_lr_ratio=end, decay_fraction=0.2)
+    assert learning_rate(wsd, 0.05, 0.1) == pytest.approx(0.5)
+    assert learning_rate(wsd, 0.5, 0.1) == learning_rate(wsd, 0.8, 0.1) == 1.0  # the stable phase
+    assert learning_rate(wsd, 0.85, 0.1) == pytest.approx(end + 0.9 * (1 - 0.25**0.5))  # 1 - sqrt of the decay
+    assert learning_rate(wsd, 1.0, 0.1) == pytest.approx(end)
+
+
+def test_a_wsd_run_continued_from_its_stable_phase_with_a_larger_budget_is_the_run_of_that_budget(shards, tmp_path):
+    """Until the decay the lr does not depend on the budget: a run of 20 steps, continued from its checkpoint at step
+    10 with a budget of 40, is the run of 40 steps, step for step (a linear decay would differ from the start)."""
+    optim = {"schedule": "wsd", "decay_fraction": 0.4, "warmup_steps": 2}
+    first, later, whole = tmp_path / "first", tmp_path / "later", tmp_path / "whole"
+    pretrain.main(config(shards, optim=optim, train={"max_steps": 20}), str(first))
+    pretrain.main(
+        config(shards, optim=optim, train={"max_steps": 40}), str(later), resume=str(first / "checkpoints" / "10")
+    )
+    pretrain.main(config(shards, optim=optim, train={"max_steps": 40}), str(whole))
+    a, b = losses(later), losses(whole)
+    assert min(a) == 11 and all(a[s] == b[s] for s in a)
+    for x, y in zip(params_of(later), params_of(whole), strict=True):
+        np.testing.assert_array_equal(x, y)
 
 
 def test_weight_decay_skips_biases_and_layernorm():

@@ -16,9 +16,9 @@ from bertforge.errors import StorageError, UserError, failed_collective, storage
 from bertforge.flags import Alias, Command, Formatter, Parser, add_flags, build_config, options
 
 
-def _vocab_given(args: argparse.Namespace) -> bool:
-    """Whether the config fixed the vocabulary size; otherwise the model takes the tokenizer's."""
-    return "vocab_size" in (args.config_data.get("model") or {})
+def _model_keys(args: argparse.Namespace) -> list[str]:
+    """The model section's keys the config gave (without vocab_size the model takes the tokenizer's)."""
+    return list(args.config_data.get("model") or {})
 
 
 def _tokenizer_train(cfg: Any, args: argparse.Namespace) -> int:
@@ -51,7 +51,7 @@ def _preprocess(cfg: Any, args: argparse.Namespace) -> int:
 def _init(cfg: Any, args: argparse.Namespace) -> int:
     from bertforge.tasks import init
 
-    out = init.main(cfg, args.tokenizer, args.out, vocab_given=_vocab_given(args))
+    out = init.main(cfg, args.tokenizer, args.out, vocab_given="vocab_size" in _model_keys(args))
     print(f"initialised a {cfg.model.num_layers}-layer model with a {cfg.head} head -> {out}")
     return 0
 
@@ -63,7 +63,7 @@ def _pretrain(cfg: Any, args: argparse.Namespace) -> int:
 
     initialize_distributed()
     try:
-        last = pretrain.main(cfg, args.out, resume=args.resume, vocab_given=_vocab_given(args))
+        last = pretrain.main(cfg, args.out, resume=args.resume, model_keys=_model_keys(args))
     except Preempted as e:
         print(f"{e}; checkpoint saved; run the same command to continue", file=sys.stderr)
         return 143

@@ -30,7 +30,7 @@ import json
 import os
 import re
 import socket
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -295,6 +295,25 @@ def _from_run(
     missing = [row.hf for row in key_table(cfg, "sequence") if row.head]
     id2label = {i: f"LABEL_{i}" for i in range(n)}
     return Pretrained(model, pre.tokenizer, "sequence", id2label, None, pre.folder, missing)
+
+
+# What `pretrain --init-from` takes from the model section: how the model runs, not what it is.
+RUNTIME_FIELDS = ("hidden_dropout", "attention_dropout", "classifier_dropout", "dtype", "remat", "attention")
+
+
+def load_to_continue(name: str, model: ModelConfig, given: Collection[str], seed: int) -> Pretrained:
+    """The masked-LM model and tokenizer that `pretrain --init-from NAME` continues (a Hugging Face folder, hub id or
+    run; a fresh MLM head when it has none), with the fields of RUNTIME_FIELDS that the model section `given` set."""
+    other = sorted(set(given) - set(RUNTIME_FIELDS))
+    if other:
+        raise UserError(
+            f"model.{other[0]}: --init-from {name} takes the model from there; of the model section only "
+            f"{', '.join(RUNTIME_FIELDS)} apply"
+        )
+    pre = load_model(name, head="mlm", seed=seed, overrides={k: getattr(model, k) for k in given})
+    if pre.tokenizer is None:
+        raise UserError(f"{name}: has no tokenizer")
+    return pre
 
 
 def load_models(name: str | os.PathLike) -> tuple[list[Pretrained], dict[str, Any]]:

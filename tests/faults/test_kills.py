@@ -21,8 +21,13 @@ PRETRAIN = ["--model.preset=test", "--train.global_batch=16", "--train.max_steps
             "--checkpoint.every=4", "--eval.every=10", "--log.every=1", "--log.tensorboard=false"]  # fmt: skip
 
 
-def pretrain_args(shards: Path, out: Path) -> list[str]:
-    return ["pretrain", "--data", str(shards), "--out", str(out), *PRETRAIN]
+# A test-sized ModernBERT: pre-norm, rotary positions, local and global attention, no biases.
+MODERNBERT = ["--model.flavor=modernbert", "--model.intermediate_size=48", "--model.local_attention=8",
+              "--model.global_attn_every_n_layers=2"]  # fmt: skip
+
+
+def pretrain_args(shards: Path, out: Path, *extra: str) -> list[str]:
+    return ["pretrain", "--data", str(shards), "--out", str(out), *PRETRAIN, *extra]
 
 
 @pytest.fixture(scope="module")
@@ -46,9 +51,9 @@ def assert_same_run(reference: Path, run: Path) -> None:
     assert not list((run / "checkpoints").glob("*tmp*")), "a temporary checkpoint folder was left behind"
 
 
-def resume_and_compare(shards: Path, reference: Path, run: Path) -> None:
+def resume_and_compare(shards: Path, reference: Path, run: Path, *extra: str) -> None:
     resumed_from = newest_whole_checkpoint(run)
-    out = run_ok(bertforge(*pretrain_args(shards, run)))
+    out = run_ok(bertforge(*pretrain_args(shards, run, *extra)))
     if resumed_from:
         assert f"resuming from step {resumed_from}" in out
     assert_same_run(reference, run)
@@ -61,6 +66,22 @@ def test_pretrain_killed_at_a_random_step(shards, reference, tmp_path, tally, se
     run, step, delay = tmp_path / "run", r.randint(2, 28), r.uniform(0, 0.1)
     kill_when(bertforge(*pretrain_args(shards, run)), lambda: max(losses(run), default=0) >= step, delay)
     resume_and_compare(shards, reference, run)
+
+
+@pytest.fixture(scope="module")
+def modernbert_reference(shards, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("reference") / "modernbert"
+    run_ok(bertforge(*pretrain_args(shards, out, *MODERNBERT)))
+    return out
+
+
+@pytest.mark.parametrize("seed", seeds())
+def test_modernbert_pretrain_killed_at_a_random_step(shards, modernbert_reference, tmp_path, tally, seed):
+    tally("kill")
+    r = rng("modernbert-step", seed)
+    run, step, delay = tmp_path / "run", r.randint(2, 28), r.uniform(0, 0.1)
+    kill_when(bertforge(*pretrain_args(shards, run, *MODERNBERT)), lambda: max(losses(run), default=0) >= step, delay)
+    resume_and_compare(shards, modernbert_reference, run, *MODERNBERT)
 
 
 @pytest.mark.parametrize("seed", seeds(fast=0))

@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import math
 import shutil
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -104,6 +105,9 @@ class PretrainConfig:
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     log: LogConfig = dataclasses.field(default_factory=LogConfig)
     hub: hub.HubConfig = dataclasses.field(default_factory=hub.HubConfig)
+    # Continue pretraining a Hugging Face folder, hub id or bertforge run: its weights (its MLM head, or a fresh one),
+    # its architecture and its tokenizer, which must be the one the shards were made with.
+    init_from: str = ""
 
 
 HUB_STAGING = ".hub"  # RUN/.hub/step-N: exports waiting for their push to the Hub
@@ -201,28 +205,38 @@ def _evaluate(eval_fn: Any, params: Any, valid: Shards, cfg: PretrainConfig, mes
 
 
 # ------------------------------------------------------------------------------------------------------ main
-def main(cfg: PretrainConfig, out: str, resume: str = "auto", vocab_given: bool = False) -> dict[str, Any]:
-    """Pretrain; returns the last logged metrics. Raises loop.Preempted after saving when SIGTERM arrives."""
+def main(
+    cfg: PretrainConfig, out: str, resume: str = "auto", vocab_given: bool = False, model_keys: Collection[str] = ()
+) -> dict[str, Any]:
+    """Pretrain; returns the last logged metrics. Raises loop.Preempted after saving when SIGTERM arrives.
+    `model_keys`: the model section's keys the config gave (with init_from, only runtime ones may be; with
+    vocab_size, as `vocab_given`, the model keeps its own vocabulary size rather than the tokenizer's)."""
+    vocab_given = vocab_given or "vocab_size" in model_keys
     run_dir = Path(out)
     if not cfg.data.shards:
         raise UserError("no shards given (--data SHARDS or data.shards in the config)")
     with runs.locked(run_dir):
-        return _main(cfg, run_dir, resume, vocab_given)
+        return _main(cfg, run_dir, resume, vocab_given, model_keys)
 
 
-def _main(cfg: PretrainConfig, run_dir: Path, resume: str, vocab_given: bool) -> dict[str, Any]:
+def _main(
+    cfg: PretrainConfig, run_dir: Path, resume: str, vocab_given: bool, model_keys: Collection[str]
+) -> dict[str, Any]:
     train_shards = Shards(cfg.data.shards, "train")
     manifest = train_shards.manifest
     tokenizer_dir = cfg.data.tokenizer
     run_tokenizer = run_dir / runs.TOKENIZER
     if not tokenizer_dir and (run_tokenizer / "tokenizer.json").exists():
         tokenizer_dir = str(run_tokenizer)  # a resumed run uses its own copy
-    if tokenizer_dir:
+    init = runs.load_to_continue(cfg.init_from, cfg.model, model_keys, cfg.train.seed) if cfg.init_from else None
+    if init is not None:
+        tokenizer, tokenizer_dir = init.tokenizer, f"{cfg.init_from} (--init-from)"
+    elif tokenizer_dir:
         tokenizer = BertTokenizer.load(tokenizer_dir)
     else:
         tokenizer, tokenizer_dir = train_shards.tokenizer()
     train_shards.check_tokenizer(tokenizer, tokenizer_dir)
-    model_cfg = fit_to_tokenizer(cfg.model, tokenizer, vocab_given)
+    model_cfg = init.model.config if init is not None else fit_to_tokenizer(cfg.model, tokenizer, vocab_given)
     train_shards.check_model(model_cfg.max_seq_len, model_cfg.vocab_size, "the model (model.max_position_embeddings)")
     valid_shards = Shards(cfg.data.shards, "valid")
     if valid_shards.num_sequences == 0:
@@ -243,7 +257,7 @@ def _main(cfg: PretrainConfig, run_dir: Path, resume: str, vocab_given: bool) ->
     budget = loop.Budget(max_steps=steps, seconds=seconds)
 
     # Model, optimizer and state, laid out on the mesh by the logical-axis rules.
-    model = build(model_cfg, "mlm", seed=cfg.train.seed)
+    model = init.model if init is not None else build(model_cfg, "mlm", seed=cfg.train.seed)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     shardings = param_shardings(model, mesh)
     params = jax.device_put(params, shardings)
@@ -321,7 +335,10 @@ def _main(cfg: PretrainConfig, run_dir: Path, resume: str, vocab_given: bool) ->
         f"on {len(mesh.devices.flat)} device(s) {dict(mesh.shape)}: global batch {cfg.train.global_batch} "
         f"({cfg.train.global_batch // len(mesh.devices.flat)} per device"
         f"{f', {cfg.train.grad_accum} accumulation steps' if cfg.train.grad_accum > 1 else ''}) x {seq_len} tokens, "
-        f"{loader.batches_per_epoch} batches per epoch" + (f"; resuming from step {start_step}" if start_step else "")
+        f"{loader.batches_per_epoch} batches per epoch"
+        + (f"; resuming from step {start_step}" if start_step else "")
+        + (f"; continuing {cfg.init_from}" if init is not None and not start_step else "")
+        + ("; with a fresh masked-LM head" if init is not None and init.missing_head and not start_step else "")
     )
     try:
         state, step, elapsed = loop.run(

@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import optax
 
-SCHEDULES = ("linear", "polynomial", "cosine", "constant")
+SCHEDULES = ("linear", "polynomial", "cosine", "constant", "wsd")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +29,10 @@ class OptimConfig:
     warmup_fraction: float = 0.06  # used when warmup_steps is 0
     end_lr_ratio: float = 0.0  # final lr = lr * end_lr_ratio
     power: float = 1.0  # polynomial decay power (fairseq's polynomial_decay)
+    # wsd (warmup-stable-decay, ModernBERT's): lr held after the warmup, then brought to the end over this last
+    # share of the budget, as 1 - sqrt (Hägele et al. 2024). Until the decay, a run's lr does not depend on its
+    # budget: a run can be extended, or continued from a checkpoint of its stable phase.
+    decay_fraction: float = 0.1
     clip_norm: float | None = 1.0
     layer_decay: float = 1.0  # layer-wise lr decay: layer i of L gets lr * decay^(L-1-i), embeddings decay^L
     head_lr: float | None = None  # the task head's lr (default: lr), scaled by the same schedule
@@ -40,6 +44,8 @@ class OptimConfig:
             raise ValueError(f"lr must be positive, got {self.lr}")
         if not 0 <= self.warmup_fraction < 1:
             raise ValueError(f"warmup_fraction must be in [0, 1), got {self.warmup_fraction}")
+        if not 0 < self.decay_fraction <= 1:
+            raise ValueError(f"decay_fraction must be in (0, 1], got {self.decay_fraction}")
         if self.warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
         if self.clip_norm is not None and self.clip_norm <= 0:
@@ -58,6 +64,11 @@ def learning_rate(cfg: OptimConfig, progress: float, warmup: float) -> float:
     end = cfg.lr * cfg.end_lr_ratio
     if cfg.schedule == "constant":
         return cfg.lr
+    if cfg.schedule == "wsd":
+        start = max(1.0 - cfg.decay_fraction, warmup)  # the decay never starts inside the warmup
+        if p <= start:
+            return cfg.lr
+        return end + (cfg.lr - end) * (1 - math.sqrt((p - start) / (1 - start)))
     q = (p - warmup) / (1 - warmup) if warmup < 1 else 1.0  # decay progress in [0, 1]
     if cfg.schedule == "linear":
         return end + (cfg.lr - end) * (1 - q)
