@@ -69,9 +69,16 @@ def test_loss_falls_and_the_run_exports(shards, tmp_path, capsys):
     assert len(json.loads(capsys.readouterr().out)[0]["masks"][0]) == 5
 
 
-def test_eight_devices_give_the_losses_of_one(shards, tmp_path):
-    # Dropout on: its masks are a function of the step's key, not of how the batch is laid out.
-    model = {"hidden_dropout": 0.1, "attention_dropout": 0.1}
+# A test-sized ModernBERT: pre-norm, rotary positions, local (8 tokens) and global attention, no biases.
+MODERNBERT = {"preset": "test", "flavor": "modernbert", "intermediate_size": 48, "local_attention": 8,
+              "global_attn_every_n_layers": 2}  # fmt: skip
+
+
+# BERT with dropout on: its masks are a function of the step's key, not of how the batch is laid out.
+@pytest.mark.parametrize(
+    "model", [{"hidden_dropout": 0.1, "attention_dropout": 0.1}, MODERNBERT], ids=["bert", "modernbert"]
+)
+def test_eight_devices_give_the_losses_of_one(shards, tmp_path, model):
     one = config(shards, model=model, mesh={"num_devices": 1})
     eight = config(shards, model=model, mesh={"num_devices": 8})
     assert jax.device_count() == 8

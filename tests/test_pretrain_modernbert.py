@@ -15,7 +15,7 @@ import torch
 from flax import nnx
 from hf_models import save_hf_model
 from test_arch_modernbert import reference
-from test_pretrain import config, losses, params_of
+from test_pretrain import MODERNBERT, config, losses
 from transformers import AutoModelForMaskedLM, BertForMaskedLM, ModernBertForMaskedLM
 
 from bertforge.cli import main as cli
@@ -30,8 +30,6 @@ from bertforge.tasks import pretrain
 from bertforge.tokenizer import BertTokenizer
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "pretrain"
-MODERNBERT = {"preset": "test", "flavor": "modernbert", "intermediate_size": 48, "local_attention": 8,
-              "global_attn_every_n_layers": 2}  # fmt: skip
 TEXTS = ["the river city had a music school and a church by the station", "a short one", "the king of the river"]
 
 
@@ -56,18 +54,6 @@ def test_a_modernbert_pretrains_and_its_export_gives_its_logits_in_transformers(
     got = np.asarray(model(*(jnp.asarray(batch[k]) for k in ("input_ids", "attention_mask", "token_type_ids"))))
     real = batch["attention_mask"] == 1
     np.testing.assert_allclose(got[real], want.logits.numpy()[real], atol=1e-4, rtol=1e-4)
-
-
-def test_a_modernbert_on_eight_devices_gives_the_losses_of_one(shards, tmp_path):
-    one = config(shards, model=MODERNBERT, mesh={"num_devices": 1})
-    eight = config(shards, model=MODERNBERT, mesh={"num_devices": 8}, train={"global_batch": 16})
-    pretrain.main(one, str(tmp_path / "one"))
-    pretrain.main(eight, str(tmp_path / "eight"))
-    a, b = losses(tmp_path / "one"), losses(tmp_path / "eight")
-    assert sorted(a) == sorted(b) == list(range(1, 21))
-    np.testing.assert_allclose([b[s] for s in a], [a[s] for s in a], rtol=0, atol=1e-5)
-    for x, y in zip(params_of(tmp_path / "one"), params_of(tmp_path / "eight"), strict=True):
-        np.testing.assert_allclose(y, x, atol=1e-5)
 
 
 def test_the_shipped_modernbert_configs_have_modernberts_shape():
