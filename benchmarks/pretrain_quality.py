@@ -332,12 +332,12 @@ def report(results: dict, minutes: float, name: str) -> None:
 
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(8, 4.5))
     for i, (system, r) in enumerate(results.items()):
         ax.plot([p["wall_s"] / 60 for p in r["curve"]], [p["valid_loss"] for p in r["curve"]], "o-", ms=3,
                 color=f"C{i}", label=SYSTEMS[system])  # fmt: skip
     ax.axhline(target, color="k", lw=0.6, ls="--")
-    ax.set_xlabel("wall-clock minutes since launch (start-up, compilation, evaluations and checkpoints included)")
+    ax.set_xlabel("wall-clock minutes since launch (start-up, compilation and checkpoints included)")
     ax.set_ylabel("validation MLM loss (same blocks, same masks)")
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
