@@ -88,6 +88,10 @@ def check_weight_shapes(
     cfg: ModelConfig, tensors: dict[str, np.ndarray], head: str, num_labels: int, source: str
 ) -> None:
     """The checks of load_weights against the shapes the config implies, before a model of that size exists."""
+    try:
+        key_table(cfg, head)  # a config the architecture cannot hold (BERT without a token-type table) names its file
+    except UserError as e:
+        raise UserError(f"{source}: {e}") from None
     # Presence first: tracing even an abstract model takes time that grows faster than its depth, so a config
     # naming more layers than the weights hold is refused from the key table alone.
     _absent_head_weights(cfg, normalise_keys(tensors, cfg), head, source)
