@@ -15,8 +15,7 @@ import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
-
-from bertforge.errors import UserError
+from typing import Any
 
 
 def repo_problem(repo: str) -> str | None:
@@ -29,12 +28,6 @@ def repo_problem(repo: str) -> str | None:
     except HFValidationError as e:
         return str(e).splitlines()[0]
     return None
-
-
-def check_repo(repo: str, key: str) -> None:
-    problem = repo_problem(repo)
-    if problem is not None:
-        raise UserError(f"{key} {repo!r}: not a repository name the Hugging Face Hub accepts ({problem})")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +46,10 @@ class HubConfig:
             raise ValueError(f"hub.repo {self.repo!r} is not a repository name the Hub accepts ({problem})")
         if self.every < 1:
             raise ValueError(f"hub.every must be at least 1, got {self.every}")
+
+    def card(self) -> dict[str, Any]:
+        """The model card's metadata this section gives (card.model_card's language, datasets and license)."""
+        return {"language": self.language, "datasets": self.datasets, "license": self.license}
 
 
 def push_folder(

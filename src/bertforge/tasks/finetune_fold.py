@@ -104,9 +104,7 @@ def write_model(job: Job, fold_dir: Path, params: Any, out: Path, step: int) -> 
         step=step,
         metrics=(job.metric,),
         base_model=job.base_model,
-        language=job.hub.language,
-        datasets=job.hub.datasets,
-        license=job.hub.license,
+        **job.hub.card(),
     )
     save_pretrained(model, out, job.pre.tokenizer, job.pre.id2label, extra_files=card)
 

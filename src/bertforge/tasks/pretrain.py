@@ -316,9 +316,8 @@ def _main(
         if publisher is None:
             return
         folder = run_dir / HUB_STAGING / f"step-{step}"
-        card = {"language": cfg.hub.language, "datasets": cfg.hub.datasets, "license": cfg.hub.license}
         model = nnx.merge(graphdef, params, rest)
-        export_pretrained(model, tokenizer, run_dir, folder, step, cfg.hub.repo, card)
+        export_pretrained(model, tokenizer, run_dir, folder, step, cfg.hub.repo, cfg.hub.card())
         publisher.submit(folder, f"step {step}")
 
     def save(step: int, state: TrainState, evaluation: dict[str, float] | None) -> None:
