@@ -104,8 +104,9 @@ def lr_factor(progress: float, schedule: str) -> float:
 
 
 # ------------------------------------------------------------------------------------------------------ systems
-def run_bertforge(arch: str, args: argparse.Namespace, shards: Path, out: Path) -> None:
-    recipe = RECIPES[arch]
+def bertforge_command(arch: str, recipe_name: str, args: argparse.Namespace, shards: Path, out: Path) -> list[str]:
+    """`bertforge pretrain` of the mini model of `arch` (bert, modernbert) with the recipe `recipe_name`."""
+    recipe = RECIPES[recipe_name]
     common = [
         "pretrain", "--data", str(shards), "--out", str(out), "--model.preset=mini",
         f"--train.global_batch={args.batch}", f"--train.time_budget_minutes={args.minutes}",
@@ -115,12 +116,19 @@ def run_bertforge(arch: str, args: argparse.Namespace, shards: Path, out: Path) 
         "--eval.every=1000000", "--log.every=10", "--log.tensorboard=false", "--log.progress=false",
     ]  # fmt: skip
     if arch == "modernbert":
-        extra = ["--config", str(ROOT / "configs/pretrain/modernbert-mini.yaml"), f"--optim.decay_fraction={DECAY}"]
-        extra += ["--model.max_position_embeddings=512"]
-    else:
-        extra = [f"--model.hidden_dropout={recipe['dropout']}", f"--model.attention_dropout={recipe['dropout']}"]
-        extra += ["--optim.schedule=linear"]
-    subprocess.run([*BERTFORGE, *common, *extra], check=True)
+        common += [
+            "--config",
+            str(ROOT / "configs/pretrain/modernbert-mini.yaml"),
+            "--model.max_position_embeddings=512",
+        ]
+    drop = recipe["dropout"]
+    common += [f"--model.hidden_dropout={drop}", f"--model.attention_dropout={drop}"]
+    common += [f"--optim.schedule={recipe['schedule']}", f"--optim.decay_fraction={DECAY}"]
+    return [*BERTFORGE, *common]
+
+
+def run_bertforge(arch: str, args: argparse.Namespace, shards: Path, out: Path) -> None:
+    subprocess.run(bertforge_command(arch, arch, args, shards, out), check=True)
 
 
 def run_transformers(system: str, args: argparse.Namespace, tok: Path, shards: Path, out: Path) -> None:

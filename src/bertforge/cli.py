@@ -35,15 +35,14 @@ def _preprocess(cfg: Any, args: argparse.Namespace) -> int:
     if cfg.valid_files:  # held-out files take the place of a held-out share
         cfg = dataclasses.replace(cfg, valid_fraction=0.0)
     m = preprocess.main(cfg)
-    train, valid = m["splits"]["train"], m["splits"]["valid"]
-    stats = m["stats"]
+    train, valid, stats = m["splits"]["train"], m["splits"]["valid"], m["stats"]
     rate = m["text_tokens"] / max(stats["seconds"], 1e-9)
+    padding = f", {train['padding']:.1%} padding" if "padding" in train else ""  # absent from older shards
+    kind = m["mode"] + ", packed" * m.get("packed", False) + padding
     print(
-        f"{train['sequences']:,} train sequences in {len(train['shards'])} shard(s), "
-        f"{valid['sequences']:,} valid sequences, {m['seq_len']} tokens each ({m['mode']}); "
-        f"{m['text_tokens']:,} text tokens in {stats['seconds']:.1f} s "
-        f"({rate:,.0f} tokens/s), peak memory {stats['peak_memory_mb']:.0f} MB "
-        f"-> {cfg.out}/manifest.json"
+        f"{train['sequences']:,} train sequences in {len(train['shards'])} shard(s), {valid['sequences']:,} valid "
+        f"sequences, {m['seq_len']} tokens each ({kind}); {m['text_tokens']:,} text tokens in {stats['seconds']:.1f} s "
+        f"({rate:,.0f} tokens/s), peak memory {stats['peak_memory_mb']:.0f} MB -> {cfg.out}/manifest.json"
     )
     return 0
 

@@ -4,7 +4,8 @@ Modes (fairseq's --sample-break-mode, RoBERTa's input formats):
 - concat:   documents joined by [SEP] and cut into full blocks; no token is thrown away.
 - complete: whole sentences packed into blocks, across documents (FULL-SENTENCES); padded.
 - doc:      whole sentences packed into blocks within one document (DOC-SENTENCES); padded.
-Every block is [CLS] content [SEP] [PAD]...; a sentence longer than a block is the one thing ever cut.
+Every block is [CLS] content [SEP] [PAD]...; a sentence longer than a block is the one thing ever cut. With
+`pack` (complete and doc), several blocks share a row instead of padding it, and models attend within each block.
 
 The output is deterministic whatever the number of workers. Shards are written under a temporary name and
 renamed, and the manifest is written last: a folder without manifest.json is never taken as finished.
@@ -33,6 +34,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from bertforge.data.documents import InputFormat, expand_files, file_size, iter_documents, split_sentences
+from bertforge.data.packing import Packer
 from bertforge.errors import UserError
 from bertforge.tokenizer import BertTokenizer
 
@@ -59,10 +61,13 @@ class PreprocessConfig:
     text_field: str = "text"  # JSONL field or Parquet column holding the text
     seed: int = 0  # decides which documents are held out
     pretokenized: bool = False  # words split by spaces (MeCab, Jieba output), which the tokenizer must keep whole
+    pack: bool = False  # complete, doc: several blocks to a row, attention within each, instead of padding
 
     def __post_init__(self) -> None:
         if self.mode not in get_args(Mode):
             raise ValueError(f"mode {self.mode!r} is not one of {', '.join(get_args(Mode))}")
+        if self.pack and self.mode == "concat":
+            raise ValueError("pack: concat rows are already full; pack rows of mode complete or doc")
         if self.seq_len < 8:
             raise ValueError(f"seq_len must be at least 8, got {self.seq_len}")
         if self.workers < 1:
@@ -124,88 +129,15 @@ def _ordered_map(fn, chunks: Iterable[Any], workers: int, tokenizer_dir: str, to
             yield c, r.get()
 
 
-# ------------------------------------------------------------------------------------------------------ packing
-class Packer:
-    """Turns token-id arrays into rows [CLS] content [SEP] [PAD]... of exactly seq_len tokens."""
-
-    def __init__(self, seq_len: int, mode: str, cls_id: int, sep_id: int, pad_id: int):
-        self.width = seq_len - 2  # content tokens per row
-        self.seq_len, self.mode = seq_len, mode
-        self.cls_id, self.sep_id, self.pad_id = cls_id, sep_id, pad_id
-        self.buffer: list[np.ndarray] = []
-        self.buffered = 0
-        self.split_sentences = 0  # sentences longer than a row, which had to be cut
-
-    def _row(self, content: np.ndarray) -> np.ndarray:
-        row = np.full(self.seq_len, self.pad_id, np.int32)
-        row[0] = self.cls_id
-        row[1 : 1 + len(content)] = content
-        row[1 + len(content)] = self.sep_id
-        return row
-
-    def _emit(self) -> list[np.ndarray]:
-        if not self.buffered:
-            return []
-        content = np.concatenate(self.buffer)
-        self.buffer, self.buffered = [], 0
-        return [self._row(content)]
-
-    def add_document(self, pieces: list[np.ndarray]) -> list[np.ndarray]:
-        """Rows completed by this document (a document's pieces are sentences, or the whole text)."""
-        if not pieces:
-            return []
-        if self.mode == "concat":
-            return self._add_concat(np.concatenate([*pieces, [self.sep_id]]).astype(np.int32))
-        rows: list[np.ndarray] = []
-        if self.mode == "doc":
-            rows += self._emit()
-        new_document = True  # complete: a document that continues a row starts after a [SEP]
-        for sentence in pieces:
-            if len(sentence) > self.width:
-                self.split_sentences += 1
-                rows += self._emit()
-                for start in range(0, len(sentence), self.width):
-                    part = sentence[start : start + self.width]
-                    if len(part) == self.width:
-                        rows.append(self._row(part))
-                    else:
-                        self.buffer, self.buffered = [part], len(part)
-                new_document = False
-                continue
-            sep = [np.array([self.sep_id], np.int32)] if new_document and self.buffered else []
-            if self.buffered + len(sep) + len(sentence) > self.width:
-                rows += self._emit()
-                sep = []
-            self.buffer.extend([*sep, sentence])
-            self.buffered += len(sep) + len(sentence)
-            new_document = False
-        if self.mode == "doc":
-            rows += self._emit()
-        return rows
-
-    def _add_concat(self, ids: np.ndarray) -> list[np.ndarray]:
-        self.buffer.append(ids)
-        self.buffered += len(ids)
-        if self.buffered < self.width:
-            return []
-        stream = np.concatenate(self.buffer)
-        n_full = len(stream) // self.width
-        rows = [self._row(stream[i * self.width : (i + 1) * self.width]) for i in range(n_full)]
-        rest = stream[n_full * self.width :]
-        self.buffer, self.buffered = ([rest], len(rest)) if len(rest) else ([], 0)
-        return rows
-
-    def finish(self) -> list[np.ndarray]:
-        return self._emit()
-
-
 # ------------------------------------------------------------------------------------------------------ writing
 class ShardWriter:
     """Rows -> `<split>-NNNNN.npy` shards of `shard_size` rows, each written whole under a temporary name."""
 
-    def __init__(self, fs: fsspec.AbstractFileSystem, root: str, split: str, shard_size: int, dtype: np.dtype):
+    def __init__(
+        self, fs: fsspec.AbstractFileSystem, root: str, split: str, shard_size: int, dtype: np.dtype, pad_id: int
+    ):
         self.fs, self.root, self.split = fs, root, split
-        self.shard_size, self.dtype = shard_size, dtype
+        self.shard_size, self.dtype, self.pad_id = shard_size, dtype, pad_id
         self.rows: list[np.ndarray] = []
         self.shards: list[dict[str, Any]] = []
         self.pad_tokens = 0
@@ -227,6 +159,7 @@ class ShardWriter:
         with self.fs.open(tmp, "wb") as fh:
             fh.write(data)
         self.fs.mv(tmp, path)
+        self.pad_tokens += int(np.sum(array == self.pad_id))
         self.shards.append(
             {
                 "path": name,
@@ -236,13 +169,15 @@ class ShardWriter:
             }
         )
 
-    def close(self, pad_id: int) -> dict[str, Any]:
+    def close(self) -> dict[str, Any]:
         if self.rows:
             self._write(self.rows)
             self.rows = []
+        tokens = sum(s["tokens"] for s in self.shards)
         return {
             "sequences": sum(s["sequences"] for s in self.shards),
-            "tokens": sum(s["tokens"] for s in self.shards),
+            "tokens": tokens,
+            "padding": round(self.pad_tokens / max(tokens, 1), 4),  # the share of [PAD] in the rows
             "shards": self.shards,
         }
 
@@ -309,8 +244,8 @@ def main(cfg: PreprocessConfig, progress: bool | None = None) -> dict[str, Any]:
     root = root.rstrip("/")
     fs.makedirs(root, exist_ok=True)
     dtype = np.dtype(np.uint16 if tok.vocab_size <= 2**16 else np.int32)
-    writers = {split: ShardWriter(fs, root, split, cfg.shard_size, dtype) for split in ("train", "valid")}
-    packers = {split: Packer(cfg.seq_len, cfg.mode, tok.cls_id, tok.sep_id, tok.pad_id) for split in writers}
+    writers = {split: ShardWriter(fs, root, split, cfg.shard_size, dtype, tok.pad_id) for split in ("train", "valid")}
+    packers = {split: Packer(cfg.seq_len, cfg.mode, tok.cls_id, tok.sep_id, tok.pad_id, cfg.pack) for split in writers}
     total_bytes = sum(file_size(f) for f in train_files + valid_files)
 
     def labelled() -> Iterator[tuple[str, str]]:
@@ -349,7 +284,7 @@ def main(cfg: PreprocessConfig, progress: bool | None = None) -> dict[str, Any]:
     splits = {}
     for split, writer in writers.items():
         writer.add(packers[split].finish())
-        splits[split] = writer.close(tok.pad_id)
+        splits[split] = writer.close()
         splits[split]["documents"] = documents[split]
         splits[split]["split_sentences"] = packers[split].split_sentences
     if splits["train"]["sequences"] == 0:
@@ -364,6 +299,7 @@ def main(cfg: PreprocessConfig, progress: bool | None = None) -> dict[str, Any]:
         "special_ids": tok.special_ids(),
         "seq_len": cfg.seq_len,
         "mode": cfg.mode,
+        "packed": cfg.pack,
         "dtype": dtype.name,
         "splits": splits,
         "text_tokens": text_tokens,

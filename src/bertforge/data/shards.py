@@ -55,6 +55,11 @@ class Shards:
         return int(self.offsets[-1])
 
     @property
+    def packed(self) -> bool:
+        """Whether rows hold several sequences, each starting with [CLS] (preprocess --pack)."""
+        return bool(self.manifest.get("packed", False))
+
+    @property
     def pad_id(self) -> int:
         return int(self.manifest["special_ids"]["pad"])
 

@@ -31,6 +31,8 @@ ARCHITECTURES: dict[str, ModuleType] = {
     "electra": electra,
     "distilbert": distilbert,
 }
+# Encoders that take segment_ids: rows packing several sequences, each attending within itself at its own positions.
+SEGMENT_FLAVORS = ("bert", "roberta", "modernbert", "electra", "distilbert")
 # model_type -> flavor; XLM-R and CamemBERT are RoBERTa's architecture with other vocabularies.
 MODEL_TYPES = {
     "bert": "bert",

@@ -1,9 +1,10 @@
 """Softmax attention over padded batches: one implementation per platform, and the rule that picks one.
 
 Every implementation takes q (B, Q, N, H), k and v (B, T, N, H) and mask (B, 1, 1, T), True where a key may be
-attended, and returns (B, Q, N, H): softmax(q k^T / sqrt(H) + padding) v. Q is T, or 1 when a layer computes only
-its first token: query i is the token at position i. An optional `window` w makes the attention local (ModernBERT's
-sliding window): query i attends only to keys j with |i - j| <= w, on top of the padding.
+attended (or (B, 1, Q, T) for rows that pack several sequences, see segment_mask), and returns (B, Q, N, H):
+softmax(q k^T / sqrt(H) + padding) v. Q is T, or 1 when a layer computes only its first token: query i is the
+token at position i. An optional `window` w makes the attention local (ModernBERT's sliding window): query i
+attends only to keys j with |i - j| <= w, on top of the padding.
 
 - custom: the plain formula with a hand-written backward (jax.custom_vjp), with or without dropout on the
   probabilities; the CPU default.
@@ -35,6 +36,20 @@ HALF_DTYPES = ("bfloat16", "float16")
 def padding_bias(mask: jax.Array) -> jax.Array:
     """(B, 1, 1, T) bool, True where a key may be attended -> additive float32 bias (0 or MASK_VALUE)."""
     return jnp.where(mask, 0.0, MASK_VALUE).astype(jnp.float32)
+
+
+def segment_mask(segments: jax.Array) -> jax.Array:
+    """(B, T) segment ids (0 for padding) -> (B, 1, T, T) bool, True where query i and key j are in one segment:
+    the attention of rows that pack several sequences (block-diagonal)."""
+    same = segments[:, :, None] == segments[:, None, :]  # (B, T, T)
+    return (same & (segments != 0)[:, None, :])[:, None]
+
+
+def segment_positions(segments: jax.Array) -> jax.Array:
+    """(B, T) segment ids -> (B, T) int32: each token's index within its segment."""
+    t = jnp.arange(segments.shape[1], dtype=jnp.int32)
+    starts = jnp.concatenate([jnp.ones_like(segments[:, :1], bool), segments[:, 1:] != segments[:, :-1]], axis=1)
+    return t - jax.lax.cummax(jnp.where(starts, t, 0), axis=1)
 
 
 def band(q_len: int, t_len: int, window: int) -> jax.Array:
@@ -246,6 +261,8 @@ def attend(
     key, None where dropout is inactive; `window` the local window's half-width (None: global attention). Shapes as
     in the module docstring."""
     name = choose_attention(requested, jax.default_backend(), key is not None, dtype, q.shape[-1])
+    if name == "cudnn" and mask.shape[2] > 1:
+        name = "xla"  # a mask per query (packed rows): cudnn_attention describes padding by row lengths only
     if name in ("explicit", "custom"):
         return IMPLEMENTATIONS[name](q, k, v, mask, dropout, key, window=window)
     if name == "cudnn":

@@ -19,16 +19,22 @@ import numpy as np
 from flax import nnx
 
 from bertforge.errors import UserError
-from bertforge.model.attention import attend
+from bertforge.model.attention import attend, segment_positions
 from bertforge.model.config import ACTIVATIONS, FAMILIES, ModelConfig, read_fields, write_fields
 from bertforge.model.dropout import Dropout
 from bertforge.model.heads import MlmHead, SequenceHead
 from bertforge.model.keys import Row, layernorm_rows, linear_rows
-from bertforge.model.layers import dense, dropout_keys, embed, layer_norm, rematerialized, sinusoids
+from bertforge.model.layers import dense, dropout_keys, embed, input_mask, layer_norm, rematerialized, sinusoids
 
 
-def position_ids(cfg: ModelConfig, input_ids: jax.Array) -> jax.Array:
-    """(B, T) ids -> (B, T) positions: 0..T-1 for BERT; for RoBERTa pad+1.. on tokens and pad on padding."""
+def position_ids(cfg: ModelConfig, input_ids: jax.Array, segments: jax.Array | None = None) -> jax.Array:
+    """(B, T) ids -> (B, T) positions: 0..T-1 for BERT; for RoBERTa pad+1.. on tokens and pad on padding. With
+    `segments` (B, T) (rows packing several sequences) each segment counts from its own start."""
+    if segments is not None:
+        within = segment_positions(segments)
+        if cfg.flavor == "roberta":
+            return jnp.where(segments != 0, within + 1 + cfg.pad_token_id, cfg.pad_token_id)
+        return within
     if cfg.flavor == "roberta":
         not_pad = (input_ids != cfg.pad_token_id).astype(jnp.int32)
         return jnp.cumsum(not_pad, axis=1) * not_pad + cfg.pad_token_id
@@ -53,8 +59,8 @@ class Embeddings(nnx.Module):
         self.dropout = Dropout(cfg.hidden_dropout, rngs=rngs)
         self.project = dense(cfg, e, cfg.hidden_size, (None, "embed"), rngs) if e != cfg.hidden_size else None
 
-    def __call__(self, input_ids: jax.Array, token_type_ids: jax.Array) -> jax.Array:
-        x = self.word(input_ids) + self.position(position_ids(self.cfg, input_ids))  # (B, T, E)
+    def __call__(self, input_ids: jax.Array, token_type_ids: jax.Array, segments: jax.Array | None = None) -> jax.Array:
+        x = self.word(input_ids) + self.position(position_ids(self.cfg, input_ids, segments))  # (B, T, E)
         if self.token_type is not None:
             x = x + self.token_type(token_type_ids)
         x = self.dropout(self.norm(x).astype(self.cfg.compute_dtype))
@@ -141,14 +147,15 @@ class Encoder(nnx.Module):
         attention_mask: jax.Array | None = None,
         token_type_ids: jax.Array | None = None,
         first_only: bool = False,
+        segment_ids: jax.Array | None = None,
     ) -> jax.Array:
-        """-> (B, T, D); with `first_only`, the last layer computes the first token only: (B, 1, D)."""
-        if attention_mask is None:
-            attention_mask = jnp.ones_like(input_ids)
+        """-> (B, T, D); with `first_only`, the last layer computes the first token only: (B, 1, D). `segment_ids`
+        (B, T), for rows that pack several sequences: k on the k-th sequence's tokens, 0 on padding; each sequence
+        then attends within itself and counts its positions from its start (attention_mask is not needed)."""
         if token_type_ids is None:
             token_type_ids = jnp.zeros_like(input_ids)
-        mask = attention_mask.astype(bool)[:, None, None, :]  # (B, 1, 1, T)
-        x = self.embeddings(input_ids, token_type_ids)
+        mask = input_mask(input_ids, attention_mask, segment_ids, first_only)
+        x = self.embeddings(input_ids, token_type_ids, segment_ids)
         for i, layer in enumerate(self.layers):
             last = first_only and i == len(self.layers) - 1
             x = rematerialized(layer, (x, mask), first_only=last) if self.cfg.remat else layer(x, mask, first_only=last)

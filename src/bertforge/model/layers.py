@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from bertforge.model.attention import segment_mask
 from bertforge.model.config import ModelConfig
 
 
@@ -98,3 +99,16 @@ def rematerialized(layer: nnx.Module, arrays: tuple, **static: Any) -> jax.Array
         return nnx.merge(graphdef, state)(*arrays, **static, keys=keys)
 
     return jax.checkpoint(run)(state, arrays, keys)
+
+
+def input_mask(
+    input_ids: jax.Array, attention_mask: jax.Array | None, segments: jax.Array | None, first_only: bool
+) -> jax.Array:
+    """The attention mask an encoder's layers take: (B, 1, 1, T) from the padding mask, or (B, 1, T, T) from the
+    segment ids of rows that pack several sequences."""
+    if segments is None:
+        padding = jnp.ones_like(input_ids) if attention_mask is None else attention_mask
+        return padding.astype(bool)[:, None, None, :]  # (B, 1, 1, T)
+    if first_only:
+        raise ValueError("first_only computes the first token of a row; a packed row has one per sequence")
+    return segment_mask(segments)  # (B, 1, T, T)

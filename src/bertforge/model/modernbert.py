@@ -16,25 +16,27 @@ import jax.numpy as jnp
 from flax import nnx
 
 from bertforge.errors import UserError
-from bertforge.model.attention import attend
+from bertforge.model.attention import attend, segment_positions
 from bertforge.model.config import ACTIVATIONS, FAMILIES, ModelConfig
 from bertforge.model.dropout import Dropout
 from bertforge.model.heads import MlmHead, SequenceHead
 from bertforge.model.keys import Row
-from bertforge.model.layers import dense, dropout_keys, embed, layer_norm, rematerialized
+from bertforge.model.layers import dense, dropout_keys, embed, input_mask, layer_norm, rematerialized
 
 
 def is_global(cfg: ModelConfig, index: int) -> bool:
     return index % cfg.global_attn_every_n_layers == 0
 
 
-def rotary(x: jax.Array, theta: float) -> jax.Array:
-    """x (B, Q, N, H) at positions 0..Q-1 rotated by RoPE of base `theta`, in float32: the two halves of each head
-    are the real and imaginary parts of H/2 complex numbers, each turned by position * theta^(-2i/H)."""
+def rotary(x: jax.Array, theta: float, positions: jax.Array | None = None) -> jax.Array:
+    """x (B, Q, N, H) at positions 0..Q-1 (or `positions` (B, Q)) rotated by RoPE of base `theta`, in float32: the
+    two halves of each head are the real and imaginary parts of H/2 complex numbers, each turned by
+    position * theta^(-2i/H)."""
     h = x.shape[-1]
     inv_freq = 1.0 / (theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))  # (H/2,)
-    angle = jnp.arange(x.shape[1], dtype=jnp.float32)[:, None] * inv_freq  # (Q, H/2)
-    cos, sin = jnp.cos(angle)[:, None, :], jnp.sin(angle)[:, None, :]  # (Q, 1, H/2)
+    at = jnp.arange(x.shape[1], dtype=jnp.float32) if positions is None else positions.astype(jnp.float32)
+    angle = at[..., None] * inv_freq  # (Q, H/2) or (B, Q, H/2)
+    cos, sin = jnp.cos(angle)[..., None, :], jnp.sin(angle)[..., None, :]  # (Q, 1, H/2) or (B, Q, 1, H/2)
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
@@ -75,11 +77,13 @@ class Layer(nnx.Module):
         self,
         x: jax.Array,
         mask: jax.Array,
+        positions: jax.Array | None = None,
         first_only: bool = False,
         keys: tuple[jax.Array | None, jax.Array | None] | None = None,
     ) -> jax.Array:
-        """x (B, T, D), mask (B, 1, 1, T) True where a key may be attended -> (B, T, D), or with `first_only` the
-        first token's output only, (B, 1, D) (keys and values still from every token: the same numbers)."""
+        """x (B, T, D), mask (B, 1, 1, T) True where a key may be attended (or (B, 1, T, T)), positions (B, T) or
+        None for 0..T-1 -> (B, T, D), or with `first_only` the first token's output only, (B, 1, D) (keys and
+        values still from every token: the same numbers)."""
         hidden_key, attn_key = self.dropout_keys() if keys is None else keys
         probs_key, out_key = jax.random.split(attn_key) if attn_key is not None else (None, None)
         b, t, d = x.shape
@@ -91,7 +95,8 @@ class Layer(nnx.Module):
         if first_only:
             q, x = q[:, :1], x[:, :1]
         tq = q.shape[1]
-        q, k = rotary(q, self.theta), rotary(k, self.theta)
+        q = rotary(q, self.theta, None if positions is None else positions[:, :tq])
+        k = rotary(k, self.theta, positions)
         ctx = attend(
             q, k, v, mask, self.cfg.attention, self.cfg.dtype, self.attn_dropout, probs_key, window=self.window
         )  # (B, Q, N, H)
@@ -125,16 +130,18 @@ class Encoder(nnx.Module):
         attention_mask: jax.Array | None = None,
         token_type_ids: jax.Array | None = None,
         first_only: bool = False,
+        segment_ids: jax.Array | None = None,
     ) -> jax.Array:
         """-> (B, T, D); with `first_only`, the last layer computes the first token only: (B, 1, D). ModernBERT has
-        no token types: token_type_ids is ignored."""
-        if attention_mask is None:
-            attention_mask = jnp.ones_like(input_ids)
-        mask = attention_mask.astype(bool)[:, None, None, :]  # (B, 1, 1, T)
+        no token types: token_type_ids is ignored. `segment_ids` as in bert.Encoder: packed rows, each sequence
+        attending within itself and rotated by its own positions (ModernBERT's unpadding)."""
+        mask = input_mask(input_ids, attention_mask, segment_ids, first_only)
+        positions = None if segment_ids is None else segment_positions(segment_ids)  # (B, T)
         x = self.embeddings(input_ids)
         for i, layer in enumerate(self.layers):
             last = first_only and i == len(self.layers) - 1
-            x = rematerialized(layer, (x, mask), first_only=last) if self.cfg.remat else layer(x, mask, first_only=last)
+            args = (x, mask, positions)
+            x = rematerialized(layer, args, first_only=last) if self.cfg.remat else layer(*args, first_only=last)
         return self.final_norm(x).astype(self.cfg.compute_dtype)
 
 

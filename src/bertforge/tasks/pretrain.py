@@ -26,7 +26,7 @@ from bertforge.data.masking import MaskingSpec, continuation_table
 from bertforge.data.shards import BatchLoader, Shards
 from bertforge.errors import UserError
 from bertforge.fileio import write_folder_atomic
-from bertforge.model.architectures import build, count_params
+from bertforge.model.architectures import SEGMENT_FLAVORS, build, count_params
 from bertforge.model.config import ModelConfig, preset
 from bertforge.parallel import (
     MeshConfig,
@@ -151,8 +151,10 @@ def compile_steps(
     seq_len: int,
     masking: MaskingSpec,
     pad_id: int,
+    packed_cls: int | None = None,
 ) -> tuple[Any, Any]:
-    """The jitted train step (state donated, laid out as `state_shardings`) and the jitted validation sums."""
+    """The jitted train step (state donated, laid out as `state_shardings`) and the jitted validation sums;
+    `packed_cls` the [CLS] id of packed shards, whose rows hold several sequences."""
     groups = mesh.shape["data"] * mesh.shape["fsdp"]
     micro = cfg.train.global_batch // cfg.train.grad_accum
     step_cfg = StepConfig(
@@ -162,6 +164,7 @@ def compile_steps(
         sparse_head=cfg.train.sparse_head,
         groups=groups,
         capacity=prediction_capacity(micro // groups * seq_len, cfg.mlm.rate),
+        packed_cls=packed_cls,
     )
     step_jit = loop.compile_train_step(train_step, graphdef, rest, tx, step_cfg, state_shardings)
     return step_jit, jax.jit(functools.partial(eval_sums, graphdef, rest, cfg=step_cfg))
@@ -238,6 +241,11 @@ def _main(
     train_shards.check_tokenizer(tokenizer, tokenizer_dir)
     model_cfg = init.model.config if init is not None else fit_to_tokenizer(cfg.model, tokenizer, vocab_given)
     train_shards.check_model(model_cfg.max_seq_len, model_cfg.vocab_size, "the model (model.max_position_embeddings)")
+    if train_shards.packed and model_cfg.flavor not in SEGMENT_FLAVORS:
+        raise UserError(
+            f"{cfg.data.shards}: packed shards need an architecture that attends within each packed sequence "
+            f"({', '.join(SEGMENT_FLAVORS)}), not {model_cfg.flavor}; preprocess without --pack"
+        )
     valid_shards = Shards(cfg.data.shards, "valid")
     if valid_shards.num_sequences == 0:
         valid_shards = None
@@ -285,8 +293,9 @@ def _main(
         runs.write_info(run_dir, "pretrain", {"model": to_dict(model_cfg), "shards": cfg.data.shards})
 
     masking = _masking_spec(cfg, tokenizer, manifest["special_ids"], model_cfg.vocab_size)
+    packed_cls = tokenizer.cls_id if train_shards.packed else None
     step_jit, eval_fn = compile_steps(
-        cfg, graphdef, rest, tx, state_shardings, mesh, seq_len, masking, tokenizer.pad_id
+        cfg, graphdef, rest, tx, state_shardings, mesh, seq_len, masking, tokenizer.pad_id, packed_cls
     )
 
     def step_fn(state: TrainState, batch: Any, lr: float) -> tuple[TrainState, dict[str, Any]]:

@@ -19,6 +19,7 @@ import optax
 from flax import nnx
 
 from bertforge.data.masking import IGNORE, MaskingSpec, mask_tokens
+from bertforge.data.packing import segment_ids
 from bertforge.train.optim import set_learning_rate
 
 
@@ -62,6 +63,7 @@ class StepConfig:
     sparse_head: bool = True
     groups: int = 1  # row groups of a micro-batch, one per batch shard, each picking its own masked positions
     capacity: int = 0  # max masked positions per group (see prediction_capacity)
+    packed_cls: int | None = None  # packed shards: the [CLS] id each of a row's sequences starts with
 
 
 def prediction_capacity(tokens: int, rate: float) -> int:
@@ -93,7 +95,10 @@ def mlm_sums(
     model: Any, inputs: jax.Array, labels: jax.Array, cfg: StepConfig
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(loss sum, correct predictions, predictions) over the masked positions of inputs/labels (b, T)."""
-    hidden = model.encoder(inputs, (inputs != cfg.pad_id).astype(jnp.int32))  # (b, T, D)
+    if cfg.packed_cls is None:
+        hidden = model.encoder(inputs, (inputs != cfg.pad_id).astype(jnp.int32))  # (b, T, D)
+    else:  # masking never replaces [CLS], so the masked inputs still mark where each sequence starts
+        hidden = model.encoder(inputs, segment_ids=segment_ids(inputs, cfg.packed_cls, cfg.pad_id))
     if cfg.sparse_head:
         g = cfg.groups
         picked, target, weight = jax.vmap(_pick, in_axes=(0, 0, None))(
