@@ -61,7 +61,7 @@ def shards_for(kind: str, args: argparse.Namespace, tok: Path, concat: Path, wor
 def text_tokens_per_s(out: Path, shards: Path) -> float:
     """Tokens of text (not padding) trained on per second of the run, from its metrics and its shards' padding."""
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    last = [m for m in metrics if "tokens" in m][-1]
+    last = [m for m in metrics if "elapsed" in m][-1]
     padding = json.loads((shards / "manifest.json").read_text())["splits"]["train"]["padding"]
     return last["tokens"] * (1 - padding) / last["elapsed"]
 
