@@ -1,8 +1,9 @@
 """What each lever of ModernBERT's pretraining recipe gives: bertforge ModernBERT mini with its recipe, then with
 one lever at a time put back to the 2018 recipe, each for the same wall-clock budget, evaluated as
 pretrain_quality.py evaluates (the same held-out blocks with the same 15% [MASK] positions, every checkpoint placed
-at the wall time it was written). Also the architecture alone (BERT's layers with ModernBERT's recipe) and sequence
-packing (documents' own blocks, DOC-SENTENCES: padded rows against packed rows).
+at the wall time it was written). Also a larger batch, constant and ramped (Cramming), the architecture alone (BERT's
+layers with ModernBERT's recipe) and sequence packing (documents' own blocks, DOC-SENTENCES: padded rows against
+packed rows).
 
     .venv/bin/python benchmarks/pretrain_levers.py --data data/wikitext-2/*.txt [--minutes 5]
 """
@@ -19,7 +20,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from pretrain_quality import BERTFORGE, ROOT, bertforge_command, evaluate, prepare
+from pretrain_quality import BERTFORGE, ROOT, bertforge_command, evaluate, prepare, train_rows
 
 # name: (architecture, recipe, shards, extra flags, what differs from the full recipe)
 LEVERS = {
@@ -39,6 +40,20 @@ LEVERS = {
         "concat",
         ["--train.sparse_head=false"],
         "vocabulary projection on every token instead of the masked ones",
+    ),  # fmt: skip
+    "batch-64": (
+        "modernbert",
+        "modernbert",
+        "concat",
+        ["--train.global_batch=64", "--train.grad_accum=4"],
+        "batch 64 (4 micro-batches of 16) instead of 16",
+    ),  # fmt: skip
+    "ramp-64": (
+        "modernbert",
+        "modernbert",
+        "concat",
+        ["--train.global_batch=64", "--train.grad_accum=4", "--train.batch_ramp=0.5"],
+        "batch ramped from 16 to 64 over the first half",
     ),  # fmt: skip
     "bert-layers": ("bert", "modernbert", "concat", [], "BERT's layers (post-norm, GELU, learned positions)"),
     "doc": ("modernbert", "modernbert", "doc", [], "document blocks (DOC-SENTENCES), padded"),
@@ -62,7 +77,8 @@ def text_tokens_per_s(out: Path, shards: Path) -> float:
     """Tokens of text (not padding) trained on per second of the run, from its metrics and its shards' padding."""
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     last = [m for m in metrics if "elapsed" in m][-1]
-    padding = json.loads((shards / "manifest.json").read_text())["splits"]["train"]["padding"]
+    manifest = json.loads((shards / "manifest.json").read_text())
+    padding = np.mean(train_rows(shards) == manifest["special_ids"]["pad"])
     return last["tokens"] * (1 - padding) / last["elapsed"]
 
 

@@ -112,7 +112,7 @@ def test_out_of_memory_at_the_first_step_names_the_knobs():
         loop.run(
             None,
             exhausted,
-            next_batch=lambda: None,
+            next_batch=lambda _: None,
             lr_at=lambda p: 1.0,
             budget=loop.Budget(max_steps=3),
             log=lambda s, m: None,
@@ -138,7 +138,7 @@ def test_with_a_shared_clock_a_time_budget_ends_alike_whatever_the_local_clock()
         _, step, _ = loop.run(
             None,
             step_fn,
-            next_batch=lambda: None,
+            next_batch=lambda _: None,
             lr_at=lambda p: p,
             budget=budget,
             log=lambda s, m: None,

@@ -260,6 +260,14 @@ class BatchLoader:
         self.step += 1
         return batch
 
+    def next_at(self, progress: float) -> Any:
+        """The next batch; its size does not depend on the run's progress (see ramp.RampedLoader)."""
+        return next(self)
+
+    @property
+    def rows_served(self) -> int:
+        return self.step * self.global_batch
+
     @property
     def epoch(self) -> int:
         """The epoch of the next batch."""
@@ -275,6 +283,8 @@ class BatchLoader:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "micro_batches" in state:
+            raise UserError("the checkpoint was taken with train.batch_ramp; resume it with the same ramp")
         for key in ("seed", "global_batch", "num_sequences"):
             if int(state[key]) != self.state_dict()[key]:
                 raise UserError(

@@ -156,7 +156,7 @@ def train_fold(job: Job, fold: int, train_rows: np.ndarray, valid_rows: np.ndarr
     plans: dict[int, list[np.ndarray]] = {}
     cursor = [start_step]
 
-    def next_batch() -> dict[str, jax.Array]:
+    def next_batch(_progress: float) -> dict[str, jax.Array]:
         epoch, i = divmod(cursor[0], per_epoch)
         cursor[0] += 1
         if epoch not in plans:

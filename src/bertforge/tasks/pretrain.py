@@ -23,20 +23,13 @@ from bertforge import hub, runs
 from bertforge.bench.flops import device_peak_flops, train_flops_per_token
 from bertforge.config import to_dict
 from bertforge.data.masking import MaskingSpec, continuation_table
-from bertforge.data.shards import BatchLoader, Shards
+from bertforge.data.ramp import Ramp, make_loader, ramp_of
+from bertforge.data.shards import Shards
 from bertforge.errors import UserError
 from bertforge.fileio import write_folder_atomic
 from bertforge.model.architectures import SEGMENT_FLAVORS, build, count_params
 from bertforge.model.config import ModelConfig, preset
-from bertforge.parallel import (
-    MeshConfig,
-    batch_sharding,
-    build_mesh,
-    fetch,
-    global_array,
-    param_shardings,
-    process_0s,
-)
+from bertforge.parallel import MeshConfig, build_mesh, fetch, global_array, param_shardings, process_0s
 from bertforge.tasks.export import export_pretrained
 from bertforge.tasks.init import fit_to_tokenizer
 from bertforge.tokenizer import BertTokenizer
@@ -64,12 +57,18 @@ class TrainConfig:
     time_budget_minutes: float | None = None
     seed: int = 0  # parameters, masks, dropout
     sparse_head: bool = True  # vocabulary projection only at masked positions
+    batch_ramp: float = 0.0  # share of the run over which the batch grows to global_batch (0: none)
+    batch_ramp_start: int | None = None  # rows per step at the start of the ramp (None: one micro-batch)
 
     def __post_init__(self) -> None:
         if self.global_batch < 1 or self.grad_accum < 1:
             raise ValueError("global_batch and grad_accum must be positive")
         if self.global_batch % self.grad_accum:
             raise ValueError(f"global_batch {self.global_batch} is not divisible by grad_accum {self.grad_accum}")
+        self.ramp()  # checks the ramp's keys
+
+    def ramp(self) -> Ramp | None:
+        return ramp_of(self.global_batch, self.grad_accum, self.batch_ramp, self.batch_ramp_start)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,7 +253,8 @@ def _main(
     cfg = dataclasses.replace(cfg, model=model_cfg)
 
     mesh = build_mesh(cfg.mesh, cfg.train.global_batch, cfg.train.grad_accum, "train.global_batch")
-    loader = BatchLoader(train_shards, cfg.train.global_batch, seed=cfg.data.seed, sharding=batch_sharding(mesh))
+    micro = cfg.train.global_batch // cfg.train.grad_accum
+    loader = make_loader(train_shards, cfg.train.global_batch, micro, cfg.train.ramp(), cfg.data.seed, mesh)
     seq_len = train_shards.seq_len
     steps = total_steps(cfg.train, loader.batches_per_epoch, seq_len)
     seconds = cfg.train.time_budget_minutes * 60 if cfg.train.time_budget_minutes else None
@@ -293,25 +293,29 @@ def _main(
         runs.write_info(run_dir, "pretrain", {"model": to_dict(model_cfg), "shards": cfg.data.shards})
 
     masking = _masking_spec(cfg, tokenizer, manifest["special_ids"], model_cfg.vocab_size)
-    packed_cls = tokenizer.cls_id if train_shards.packed else None
-    step_jit, eval_fn = compile_steps(
-        cfg, graphdef, rest, tx, state_shardings, mesh, seq_len, masking, tokenizer.pad_id, packed_cls
-    )
+    ids = (tokenizer.pad_id, tokenizer.cls_id if train_shards.packed else None)  # padding, packed rows' [CLS]
+    step_jit, eval_fn = compile_steps(cfg, graphdef, rest, tx, state_shardings, mesh, seq_len, masking, *ids)
+
+    compiled = {cfg.train.grad_accum: step_jit}  # by micro-batches per step: one program per size a ramp takes
 
     def step_fn(state: TrainState, batch: Any, lr: float) -> tuple[TrainState, dict[str, Any]]:
-        return step_jit(state, batch, jnp.float32(lr), key)
+        n = batch.shape[0] // micro
+        if n not in compiled:
+            train = dataclasses.replace(
+                cfg.train, global_batch=n * micro, grad_accum=n, batch_ramp=0.0, batch_ramp_start=None
+            )
+            c = dataclasses.replace(cfg, train=train)
+            compiled[n] = compile_steps(c, graphdef, rest, tx, state_shardings, mesh, seq_len, masking, *ids)[0]
+        return compiled[n](state, batch, jnp.float32(lr), key)
 
     warmup = warmup_fraction(cfg.optim, steps)
-    tokens_per_step = cfg.train.global_batch * seq_len
-    predicted = cfg.mlm.rate if cfg.train.sparse_head else 1.0
-    flops = train_flops_per_token(model_cfg, seq_len, predicted) * tokens_per_step
-    peak, _ = device_peak_flops(model_cfg.dtype)
-    peak *= len(mesh.devices.flat)
+    flops = train_flops_per_token(model_cfg, seq_len, cfg.mlm.rate if cfg.train.sparse_head else 1.0)
+    peak = device_peak_flops(model_cfg.dtype)[0] * len(mesh.devices.flat)
     log = MetricsLog(run_dir, cfg.log, steps, start_step, to_dict(cfg))
     last: dict[str, Any] = {}
 
     def write(step: int, metrics: dict[str, float]) -> None:
-        metrics = {"epoch": loader.epoch_of(max(step - 1, 0)), "tokens": step * tokens_per_step, **metrics}
+        metrics = {"epoch": loader.epoch_of(max(step - 1, 0)), "tokens": loader.rows_served * seq_len, **metrics}
         last.update(metrics)
         log.record(step, metrics, ("loss", "lr", "valid_loss"))
 
@@ -352,7 +356,7 @@ def _main(
         state, step, elapsed = loop.run(
             state,
             step_fn,
-            next_batch=lambda: next(loader),
+            next_batch=loader.next_at,
             lr_at=lambda p: learning_rate(cfg.optim, p, warmup),
             budget=budget,
             log=write,
@@ -362,8 +366,8 @@ def _main(
             checkpoint=loop.Every(cfg.checkpoint.every, save),
             preemptible=True,
             elapsed_before=elapsed,
-            tokens_per_step=tokens_per_step,
-            flops_per_step=flops,
+            tokens_in=lambda batch: batch.size,
+            flops_per_token=flops,
             peak_flops=peak,
             clock=process_0s if seconds is not None and jax.process_count() > 1 else None,
         )

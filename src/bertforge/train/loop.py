@@ -122,7 +122,7 @@ def run(
     state: Any,
     step_fn: Callable[[Any, Any, float], tuple[Any, dict[str, Any]]],
     *,
-    next_batch: Callable[[], Any],
+    next_batch: Callable[[float], Any],
     lr_at: Callable[[float], float],
     budget: Budget,
     log: Callable[[int, dict[str, float]], None],
@@ -132,20 +132,22 @@ def run(
     checkpoint: Every | None = None,
     preemptible: bool = False,
     elapsed_before: float = 0.0,
-    tokens_per_step: int = 0,
-    flops_per_step: float = 0.0,
+    tokens_in: Callable[[Any], int] | None = None,
+    flops_per_token: float = 0.0,
     peak_flops: float = float("nan"),
     clock: Callable[[float], float] | None = None,
 ) -> tuple[Any, int, float]:
-    """Run steps until the budget is spent; returns (state, step, elapsed seconds).
+    """Run steps until the budget is spent; returns (state, step, elapsed seconds). `next_batch(progress)` gives
+    the batch of the step at `progress` (0..1) of the budget; `tokens_in(batch)`, when given, its token count, from
+    which tokens/s and (with `flops_per_token`) MFU are logged.
 
-    `preemptible`: on SIGTERM (or a first Ctrl-C) checkpoint after the current step and raise Preempted. The step
-    the loop starts from is never checkpointed again: it was restored from a checkpoint (or is step 0).
+        `preemptible`: on SIGTERM (or a first Ctrl-C) checkpoint after the current step and raise Preempted. The step
+        the loop starts from is never checkpointed again: it was restored from a checkpoint (or is step 0).
 
-    `clock`, given this process's elapsed seconds, returns the ones every process agrees on (process 0's). With it,
-    a time budget sees the elapsed time of the last log boundary, refreshed at each: processes reading their own
-    clocks could disagree on the step a deadline falls after (one would stop while the others wait for it in a
-    collective for ever) and on the learning rate.
+        `clock`, given this process's elapsed seconds, returns the ones every process agrees on (process 0's). With it,
+        a time budget sees the elapsed time of the last log boundary, refreshed at each: processes reading their own
+        clocks could disagree on the step a deadline falls after (one would stop while the others wait for it in a
+        collective for ever) and on the learning rate.
     """
     periodic = [e for e in (evaluate, checkpoint) if e is not None]
     roles = functools.partial(_run_due, log=log, evaluate=evaluate, checkpoint=checkpoint)
@@ -157,12 +159,14 @@ def run(
         return agreed if clock is not None else time.perf_counter() - start
 
     pending: list[dict[str, Any]] = []
-    window_start, window_steps, window_paused = time.perf_counter(), 0, 0.0
+    window_start, window_steps, window_tokens, window_paused = time.perf_counter(), 0, 0, 0.0
     last_lr = 0.0
     with StopFlag() if preemptible else contextlib.nullcontext() as stop_flag:
         while not budget.done(step, budget_elapsed()):
-            lr = lr_at(budget.progress(step, budget_elapsed()))
-            batch = next_batch()
+            progress = budget.progress(step, budget_elapsed())
+            lr = lr_at(progress)
+            batch = next_batch(progress)
+            window_tokens += tokens_in(batch) if tokens_in is not None else 0
             try:
                 state, metrics = step_fn(state, batch, lr)
                 if step == start_step:
@@ -185,13 +189,13 @@ def run(
                 record = {k: float(np.mean([m[k] for m in fetched])) for k in fetched[-1] if k != "finite"}
                 record["lr"] = last_lr
                 record["step_time"] = seconds / window_steps
-                if tokens_per_step:
-                    record["tokens_per_s"] = tokens_per_step * window_steps / seconds
-                if flops_per_step:
-                    record["mfu"] = flops_per_step * window_steps / seconds / peak_flops
+                if window_tokens:
+                    record["tokens_per_s"] = window_tokens / seconds
+                if window_tokens and flops_per_token:
+                    record["mfu"] = flops_per_token * window_tokens / seconds / peak_flops
                 record["elapsed"] = time.perf_counter() - start
                 log(step, record)
-                pending, window_start, window_steps, window_paused = [], time.perf_counter(), 0, 0.0
+                pending, window_start, window_steps, window_tokens, window_paused = [], time.perf_counter(), 0, 0, 0.0
                 if clock is not None:
                     agreed = clock(time.perf_counter() - start)
             roles_start = time.perf_counter()  # the steps are done: _check_finite above waited for them
