@@ -34,6 +34,13 @@ LEVERS = {
         "dropout 0.1 instead of none",
     ),  # fmt: skip
     "linear": ("modernbert", "modernbert", "concat", ["--optim.schedule=linear"], "linear decay instead of WSD"),
+    "lr-1e-4": (
+        "modernbert",
+        "modernbert",
+        "concat",
+        ["--optim.lr=1e-4"],
+        "learning rate 1e-4 (BERT's) instead of 1e-3",
+    ),
     "dense-head": (
         "modernbert",
         "modernbert",
