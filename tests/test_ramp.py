@@ -64,9 +64,9 @@ def test_a_ramped_run_stopped_by_sigterm_continues_to_the_uninterrupted_runs_num
     for x, y in zip(params_of(whole), params_of(run), strict=True):
         np.testing.assert_array_equal(x, y)
     # The checkpoint's data position is the ramp's: resuming without the ramp is refused.
-    no_ramp = _command(shards, run, "--train.global_batch=32", "--train.max_steps=20", "--resume=auto")
-    refused = subprocess.run(no_ramp, capture_output=True, text=True)
-    assert refused.returncode != 0 and "train.batch_ramp" in refused.stderr
+    no_ramp = config(shards, train={"global_batch": 32, "max_steps": 20})
+    with pytest.raises(UserError, match="train.batch_ramp"):
+        pretrain.main(no_ramp, str(run))
 
 
 @pytest.mark.parametrize(
