@@ -21,6 +21,13 @@ def segment_ids(ids: Any, cls_id: int, pad_id: int) -> Any:
     return ((ids == cls_id).cumsum(axis=1) * (ids != pad_id)).astype("int32")
 
 
+def padded(content: np.ndarray, seq_len: int, pad_id: int) -> np.ndarray:
+    """content (n,) -> (seq_len,) int32 with [PAD] after it."""
+    row = np.full(seq_len, pad_id, np.int32)
+    row[: len(content)] = content
+    return row
+
+
 class BlockPacker:
     """Places blocks into rows of `seq_len` tokens, each into the open row it fills best (best fit), so that
     almost no padding is left; the output depends on the blocks' order only."""
@@ -31,12 +38,8 @@ class BlockPacker:
         self.free: list[int] = []
 
     def _take(self, i: int) -> np.ndarray:
-        blocks = self.rows.pop(i)
         self.free.pop(i)
-        row = np.full(self.seq_len, self.pad_id, np.int32)
-        content = np.concatenate(blocks)
-        row[: len(content)] = content
-        return row
+        return padded(np.concatenate(self.rows.pop(i)), self.seq_len, self.pad_id)
 
     def add(self, block: np.ndarray) -> list[np.ndarray]:
         """Rows completed by this block: a row left with no room, or the fullest when too many are open."""
@@ -78,9 +81,7 @@ class Packer:
         block = np.concatenate([[self.cls_id], content, [self.sep_id]]).astype(np.int32)
         if self.packer is not None:
             return self.packer.add(block)
-        row = np.full(self.seq_len, self.pad_id, np.int32)
-        row[: len(block)] = block
-        return [row]
+        return [padded(block, self.seq_len, self.pad_id)]
 
     def _emit(self) -> list[np.ndarray]:
         if not self.buffered:

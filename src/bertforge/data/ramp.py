@@ -52,12 +52,13 @@ def ramp_of(global_batch: int, grad_accum: int, fraction: float, start_rows: int
 
 
 def make_loader(
-    shards: Shards, global_batch: int, micro: int, ramp: Ramp | None, seed: int, mesh: jax.sharding.Mesh
+    shards: Shards, global_batch: int, ramp: Ramp | None, seed: int, mesh: jax.sharding.Mesh
 ) -> BatchLoader | RampedLoader:
-    """The training loader: BatchLoader's global batches, or with a ramp, RampedLoader's growing ones."""
+    """The training loader: BatchLoader's global batches, or with a ramp, RampedLoader's growing ones (micro-batches
+    of global_batch / ramp.end rows)."""
     if ramp is None:
         return BatchLoader(shards, global_batch, seed=seed, sharding=batch_sharding(mesh))
-    return RampedLoader(shards, micro, ramp, seed, batch_sharding(mesh))
+    return RampedLoader(shards, global_batch // ramp.end, ramp, seed, batch_sharding(mesh))
 
 
 class RampedLoader:

@@ -254,7 +254,7 @@ def _main(
 
     mesh = build_mesh(cfg.mesh, cfg.train.global_batch, cfg.train.grad_accum, "train.global_batch")
     micro = cfg.train.global_batch // cfg.train.grad_accum
-    loader = make_loader(train_shards, cfg.train.global_batch, micro, cfg.train.ramp(), cfg.data.seed, mesh)
+    loader = make_loader(train_shards, cfg.train.global_batch, cfg.train.ramp(), cfg.data.seed, mesh)
     seq_len = train_shards.seq_len
     steps = total_steps(cfg.train, loader.batches_per_epoch, seq_len)
     seconds = cfg.train.time_budget_minutes * 60 if cfg.train.time_budget_minutes else None
