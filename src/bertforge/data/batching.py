@@ -1,8 +1,10 @@
-"""Uniform-length batching: batches of texts of similar length, padded to one of a few bucket lengths.
+"""Uniform-length batching: batches of texts of similar length, padded to one of a few lengths.
 
-XLA compiles one program per input shape. Padding every batch to a multiple of `bucket` (32 by default) keeps the
-shapes few, so each is compiled once, while a batch of short texts is not padded to the longest text of the set.
-Every batch has the same number of rows; a short final batch is filled with rows of weight 0.
+XLA compiles one program per input shape. Padding every batch to one of a few lengths keeps the shapes few, so each
+is compiled once, while a batch of short texts is not padded to the longest text of the set. The lengths are either
+every multiple of `bucket`, or a ladder of at most `shapes` of those multiples chosen from the data (`ladder`): the
+ones that leave the fewest padding tokens in an epoch's batches. Every batch has the same number of rows; a short
+final batch is filled with rows of weight 0.
 """
 
 from __future__ import annotations
@@ -22,6 +24,49 @@ def bucket_length(n: int, limit: int, bucket: int = BUCKET) -> int:
     if bucket <= 0:
         return limit
     return min(limit, -(-n // bucket) * bucket)
+
+
+def ladder(maxima: np.ndarray, limit: int, bucket: int, shapes: int) -> tuple[int, ...]:
+    """At most `shapes` padded lengths, multiples of `bucket` (or `limit`), for batches whose longest texts have
+    `maxima` tokens: those that minimise the batches' total padded length, the longest always among them.
+
+    Each batch is padded to the shortest length of the ladder that holds it; an exact dynamic programme over the
+    distinct rounded maxima (at most limit / bucket of them).
+    """
+    rounded = np.array([bucket_length(int(n), limit, bucket) for n in np.asarray(maxima)])
+    values, counts = np.unique(rounded, return_counts=True)  # ascending
+    n, k = len(values), min(shapes, len(values))
+    if n == 0 or k <= 0:
+        return ()
+    below = np.concatenate([[0], np.cumsum(counts)])  # below[j]: batches with a value under values[j]
+    inf = float("inf")
+    # cost[r][j]: least total length of the batches up to values[j] with r + 1 rungs, the top one at values[j].
+    cost = np.full((k, n), inf)
+    back = np.zeros((k, n), int)
+    cost[0] = values * below[1:]
+    for r in range(1, k):
+        for j in range(r, n):
+            for i in range(r - 1, j):  # the rung below is at values[i]
+                c = cost[r - 1][i] + values[j] * (below[j + 1] - below[i + 1])
+                if c < cost[r][j]:
+                    cost[r][j], back[r][j] = c, i
+    r = int(np.argmin(cost[:, n - 1]))
+    rungs, j = [], n - 1
+    while True:
+        rungs.append(int(values[j]))
+        if r == 0:
+            break
+        j, r = back[r][j], r - 1
+    return tuple(sorted(rungs))
+
+
+def padded_length(n: int, limit: int, bucket: int = BUCKET, rungs: tuple[int, ...] = ()) -> int:
+    """The length a batch whose longest text has n tokens is padded to: the shortest rung that holds it, else
+    bucket_length (a text longer than every rung, or no ladder)."""
+    for rung in rungs:
+        if rung >= n:
+            return rung
+    return bucket_length(n, limit, bucket)
 
 
 def pad_batch(encs: Sequence[Encoded], pad_id: int, length: int, rows: int | None = None) -> dict[str, np.ndarray]:

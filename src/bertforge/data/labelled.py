@@ -9,7 +9,6 @@ from collections.abc import Sequence
 import numpy as np
 
 from bertforge.data import tabular
-from bertforge.data.batching import BUCKET
 from bertforge.errors import UserError
 from bertforge.tokenizer import TRUNCATIONS, Truncation
 
@@ -26,7 +25,8 @@ class DataConfig:
     error_column: str | None = None  # standard error of the target: rows weighted by 1 / error^2
     max_length: int = 256  # tokens per text
     truncation: Truncation = "head"
-    bucket: int = BUCKET  # pad batches to a multiple of this; 0 pads every batch to max_length
+    bucket: int = 8  # padded lengths are multiples of this; 0 pads every batch to max_length
+    shapes: int = 6  # at most this many padded lengths, chosen from the training texts; 0: every multiple of bucket
     quoted_tsv: bool = False  # .tsv tables written with CSV quoting; by default a TSV has none and '"' is text
 
     def __post_init__(self) -> None:
@@ -34,8 +34,8 @@ class DataConfig:
             raise ValueError(f"truncation {self.truncation!r} is not one of {', '.join(TRUNCATIONS)}")
         if not self.target_columns:
             raise ValueError("target_columns is empty")
-        if self.max_length < 2 or self.bucket < 0:
-            raise ValueError("max_length must be at least 2 and bucket at least 0")
+        if self.max_length < 2 or self.bucket < 0 or self.shapes < 0:
+            raise ValueError("max_length must be at least 2, bucket and shapes at least 0")
 
 
 @dataclasses.dataclass

@@ -19,6 +19,7 @@ from flax import nnx
 
 from bertforge import hub, runs
 from bertforge.config import to_dict
+from bertforge.data.batching import epoch_batches, ladder
 from bertforge.data.folds import FoldsConfig, check_classes, fold_plan, folds_to_run
 from bertforge.data.labelled import DataConfig, Table, read_table, sorted_classes
 from bertforge.errors import UserError
@@ -26,10 +27,10 @@ from bertforge.model.hf import Pretrained
 from bertforge.parallel import MeshConfig, build_mesh, param_shardings
 from bertforge.tasks.finetune_fold import Job, TrainConfig, scores, train_fold
 from bertforge.tasks.infer import prediction_table
-from bertforge.train import loop, metrics
+from bertforge.train import metrics
 from bertforge.train.logging import LogConfig
 from bertforge.train.optim import OptimConfig, make_optimizer
-from bertforge.train.sequence_step import DEFAULT_LOSS, LOSSES, SequenceStepConfig, predict_step, train_step
+from bertforge.train.sequence_step import DEFAULT_LOSS, LOSSES, SequenceStepConfig, compile_train_step, predict_step
 from bertforge.train.step import new_train_state
 
 Task = Literal["regression", "classification", "multilabel"]
@@ -109,6 +110,15 @@ def main(cfg: FinetuneConfig, out: str, resume: str = "auto") -> dict[str, Any]:
         return _main(cfg, run_dir, resume, pre, table, valid, run, folds)
 
 
+def _ladder(encs: list, cfg: FinetuneConfig, limit: int) -> tuple[int, ...]:
+    """The padded lengths every fold uses, chosen from the longest text of each batch of a first epoch over the
+    whole table (a fold's batches are alike), so that the folds share their compiled programs."""
+    lengths = np.array([len(e.ids) for e in encs])
+    plan = epoch_batches(lengths, cfg.train.batch_size, max(cfg.data.bucket, 1), cfg.train.seed, 0)
+    maxima = np.array([lengths[rows].max() for rows in plan])
+    return ladder(maxima, limit, cfg.data.bucket, cfg.data.shapes)
+
+
 def _job(cfg: FinetuneConfig, run_dir: Path, pre: Pretrained, table: Table, valid: Table | None, several: bool) -> Job:
     """The encoded tables, the mesh, the optimizer and the compiled programs every fold shares."""
     limit = min(cfg.data.max_length, pre.model.config.max_seq_len)
@@ -118,6 +128,7 @@ def _job(cfg: FinetuneConfig, run_dir: Path, pre: Pretrained, table: Table, vali
     if cfg.train.eval_batch_size % shards:
         raise UserError(f"train.eval_batch_size={cfg.train.eval_batch_size} does not split over {shards} devices")
     graphdef, params, rest = nnx.split(pre.model, nnx.Param, ...)
+    encs = encode(table.texts, table.pairs)
     pristine = jax.device_get(params)
     shardings = param_shardings(pre.model, mesh)
     tx = make_optimizer(cfg.optim, params, pre.model.config.num_layers)
@@ -141,7 +152,8 @@ def _job(cfg: FinetuneConfig, run_dir: Path, pre: Pretrained, table: Table, vali
         limit=limit,
         pre=pre,
         table=table,
-        encs=encode(table.texts, table.pairs),
+        encs=encs,
+        rungs=_ladder(encs, cfg, limit),
         valid_table=valid,
         valid_encs=None if valid is None else encode(valid.texts, valid.pairs),
         mesh=mesh,
@@ -150,7 +162,7 @@ def _job(cfg: FinetuneConfig, run_dir: Path, pre: Pretrained, table: Table, vali
         pristine=pristine,
         param_shardings=shardings,
         tx=tx,
-        step_jit=loop.compile_train_step(train_step, graphdef, rest, tx, step_cfg, state_shardings),
+        step_jit=compile_train_step(graphdef, rest, tx, step_cfg, state_shardings),
         forward_jit=jax.jit(functools.partial(predict_step, graphdef, rest), out_shardings=replicated),
         base_model=cfg.model,
         hub=cfg.hub,

@@ -17,7 +17,7 @@ from flax import nnx
 
 from bertforge import runs
 from bertforge.card import card_files
-from bertforge.data.batching import bucket_length, epoch_batches, pad_batch
+from bertforge.data.batching import epoch_batches, pad_batch, padded_length
 from bertforge.data.labelled import Table
 from bertforge.errors import UserError
 from bertforge.hub import HubConfig, Publisher
@@ -64,7 +64,8 @@ class Job:
     task: str
     loss: str
     metric: str
-    bucket: int  # pad batches to a multiple of this
+    bucket: int  # padded lengths are multiples of this
+    rungs: tuple[int, ...]  # the padded lengths (data.shapes of them at most); () for every multiple of bucket
     limit: int  # tokens per text
     pre: Pretrained  # the tokenizer and label names go with every fold's model
     table: Table  # training rows
@@ -163,7 +164,7 @@ def train_fold(job: Job, fold: int, train_rows: np.ndarray, valid_rows: np.ndarr
             plans.clear()
             plans[epoch] = epoch_batches(lengths, size, job.bucket, train.seed, epoch)
         local = plans[epoch][i]
-        length = bucket_length(int(lengths[local].max()), job.limit, job.bucket)
+        length = padded_length(int(lengths[local].max()), job.limit, job.bucket, job.rungs)
         batch = _batch(job, train_rows[local], length)
         return {k: global_array(v, mesh) for k, v in batch.items()}
 
@@ -172,14 +173,16 @@ def train_fold(job: Job, fold: int, train_rows: np.ndarray, valid_rows: np.ndarr
     def outputs_of(params: Any) -> np.ndarray:
         forward = lambda b: job.forward_jit(params, {k: global_array(b[k], mesh) for k in INPUTS})  # noqa: E731
         return outputs_by_length(
-            forward, valid_encs, job.pre.tokenizer.pad_id, train.eval_batch_size, job.limit, job.bucket
+            forward, valid_encs, job.pre.tokenizer.pad_id, train.eval_batch_size, job.limit, job.bucket, rungs=job.rungs
         )
 
     log = MetricsLog(fold_dir, job.log, steps, start_step, job.config)
     sign = -1.0 if metrics.HIGHER_IS_BETTER[job.metric] else 1.0  # checkpoints keep the lowest
 
     def evaluate(step: int, state: TrainState) -> dict[str, float]:
-        return {f"valid_{k}": v for k, v in scores(job, outputs_of(state.params), valid_targets).items()}
+        began = time.perf_counter()
+        found = {f"valid_{k}": v for k, v in scores(job, outputs_of(state.params), valid_targets).items()}
+        return {**found, "eval_seconds": time.perf_counter() - began}
 
     def save(step: int, state: TrainState, evaluation: dict[str, float] | None) -> None:
         meta = {"elapsed": time.perf_counter() - started + elapsed, "step": step}
@@ -194,7 +197,9 @@ def train_fold(job: Job, fold: int, train_rows: np.ndarray, valid_rows: np.ndarr
 
     log.message(
         f"fold {fold}: {len(train_rows)} training rows, {len(valid_rows)} validation rows; {steps} steps of "
-        f"{size} ({per_epoch} per epoch), evaluating every {every}"
+        f"{size} ({per_epoch} per epoch), evaluating every {every}; texts padded to "
+        + (", ".join(map(str, job.rungs)) if job.rungs else f"multiples of {job.bucket}")
+        + " tokens"
         + (f"; resuming from step {start_step}" if start_step else "")
     )
     warmup = warmup_fraction(job.optim, steps)

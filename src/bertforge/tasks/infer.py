@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 
 from bertforge import runs
 from bertforge.data import tabular
-from bertforge.data.batching import BUCKET, bucket_length, by_length, pad_batch
+from bertforge.data.batching import BUCKET, bucket_length, by_length, pad_batch, padded_length
 from bertforge.errors import UserError
 from bertforge.model.heads import MaskedLM, SequenceClassifier
 from bertforge.model.hf import Pretrained
@@ -122,17 +122,19 @@ def outputs_by_length(
     limit: int,
     bucket: int = BUCKET,
     bar: Any = None,
+    rungs: tuple[int, ...] = (),
 ) -> np.ndarray:
     """forward(batch) -> (B, L) over all encodings, in input order.
 
     Texts are sorted by length, longest first, and batched with little padding; every batch has `batch_size` rows
-    (the last is filled with padding rows), so a model compiles once per bucket length. `bar`, a tqdm progress
-    bar, advances by the texts done.
+    (the last is filled with padding rows), so a model compiles once per padded length: the shortest of `rungs`
+    that holds the batch, else a multiple of `bucket`. `bar`, a tqdm progress bar, advances by the texts done.
     """
     out: np.ndarray | None = None
     for idx in by_length(np.array([len(e.ids) for e in encs]), batch_size):
         chunk = [encs[i] for i in idx]
-        batch = pad_batch(chunk, pad_id, bucket_length(max(len(e.ids) for e in chunk), limit, bucket), batch_size)
+        length = padded_length(max(len(e.ids) for e in chunk), limit, bucket, rungs)
+        batch = pad_batch(chunk, pad_id, length, batch_size)
         values = np.asarray(forward(batch))[: len(idx)]
         if out is None:
             out = np.zeros((len(encs), values.shape[1]), np.float32)

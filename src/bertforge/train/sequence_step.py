@@ -9,6 +9,7 @@ accumulation gives the update of the full batch.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -67,20 +68,13 @@ def _micro(x: jax.Array, a: int) -> jax.Array:
     return x.reshape(x.shape[0] // a, a, *x.shape[1:]).swapaxes(0, 1)
 
 
-def train_step(
-    graphdef: Any,
-    rest: Any,
-    state: TrainState,
-    batch: dict[str, jax.Array],
-    lr: jax.Array,
-    key: jax.Array,
-    tx: Any,
-    cfg: SequenceStepConfig,
-) -> tuple[TrainState, dict[str, jax.Array]]:
-    """One optimizer update from a batch; a non-finite loss leaves the state as it was."""
+def gradients(
+    graphdef: Any, rest: Any, params: Any, step: jax.Array, batch: dict[str, jax.Array], key: jax.Array, cfg: Any
+) -> tuple[Any, jax.Array]:
+    """The gradients of the batch's loss at `params` (the update numbered `step`), and the loss."""
     loss_of = LOSSES[cfg.loss]
     real = jnp.maximum(jnp.sum(batch["weight"] > 0), 1).astype(jnp.float32)
-    keys = jax.random.split(jax.random.fold_in(key, state.step), cfg.grad_accum)
+    keys = jax.random.split(jax.random.fold_in(key, step), cfg.grad_accum)
     micro = {k: _micro(v, cfg.grad_accum) for k, v in batch.items()}
 
     def loss_fn(params: Any, xs: tuple) -> jax.Array:
@@ -92,9 +86,49 @@ def train_step(
     def grad_fn(params: Any, xs: tuple) -> tuple[jax.Array, Any]:
         return jax.value_and_grad(loss_fn)(params, xs)
 
-    grads, loss = accumulate(grad_fn, state.params, (micro, keys))
+    return accumulate(grad_fn, params, (micro, keys))
+
+
+def update(
+    state: TrainState, grads: Any, loss: jax.Array, lr: jax.Array, tx: Any
+) -> tuple[TrainState, dict[str, jax.Array]]:
+    """The optimizer update of `grads`; a non-finite loss leaves the state as it was."""
     new_state, grad_norm, finite = apply_update(state, grads, loss, lr, tx)
     return new_state, {"loss": loss, "grad_norm": grad_norm, "finite": finite}
+
+
+def train_step(
+    graphdef: Any,
+    rest: Any,
+    state: TrainState,
+    batch: dict[str, jax.Array],
+    lr: jax.Array,
+    key: jax.Array,
+    tx: Any,
+    cfg: SequenceStepConfig,
+) -> tuple[TrainState, dict[str, jax.Array]]:
+    """One optimizer update from a batch; a non-finite loss leaves the state as it was."""
+    grads, loss = gradients(graphdef, rest, state.params, state.step, batch, key, cfg)
+    return update(state, grads, loss, lr, tx)
+
+
+def compile_train_step(graphdef: Any, rest: Any, tx: Any, cfg: SequenceStepConfig, state_shardings: Any) -> Any:
+    """train_step as two programs: the gradients, compiled once per batch shape, then the update, compiled once.
+
+    Fine-tuning pads its batches to a few lengths: with the update in every length's program, each would compile
+    and trace it again (on a 2-core CPU, MiniLM's update is 2.1 of a 4.2 s compilation). The state and the
+    gradients are donated, so the update reuses their buffers.
+    """
+    grads_jit = jax.jit(
+        functools.partial(gradients, graphdef, rest, cfg=cfg), out_shardings=(state_shardings.params, None)
+    )
+    update_jit = jax.jit(functools.partial(update, tx=tx), donate_argnums=(0, 1), out_shardings=(state_shardings, None))
+
+    def step(state: TrainState, batch: dict[str, jax.Array], lr: jax.Array, key: jax.Array) -> tuple[TrainState, dict]:
+        grads, loss = grads_jit(state.params, state.step, batch, key)
+        return update_jit(state, grads, loss, lr)
+
+    return step
 
 
 def predict_step(graphdef: Any, rest: Any, params: Any, batch: dict[str, jax.Array]) -> jax.Array:

