@@ -302,6 +302,17 @@ def _spread(rows: list[dict], key: str, fmt: str) -> str:
     return f"{format(statistics.mean(values), fmt)} ± {format(statistics.stdev(values), fmt)}"
 
 
+def cpu_model() -> str:
+    """The CPU's name as the kernel gives it (the same 2 cores run PyTorch and XLA at different relative speeds on
+    different CPUs, so every table names its own)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            names = [line.split(":", 1)[1].strip() for line in fh if line.startswith("model name")]
+    except OSError:
+        names = []
+    return names[0] if names else "unknown CPU"
+
+
 def _report(args: argparse.Namespace, name: str, rows: list[dict]) -> None:
     from report import save
 
@@ -349,7 +360,7 @@ def _report(args: argparse.Namespace, name: str, rows: list[dict]) -> None:
                 r = next(r for r in of[system] if r.get("seed", 0) == seed)
                 cells += [f"{r['score']:.4f}", f"{r['wall_s']:.0f} s"]
             lines.append(f"| {seed} | " + " | ".join(cells) + " |")
-    where = f"{os.cpu_count()} CPU cores"
+    where = f"{os.cpu_count()} CPU cores ({cpu_model()})"
     if args.device == "gpu":
         gpu = subprocess.run(
             ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True

@@ -492,7 +492,7 @@ def test_steps_equal_torch_adamw_with_clipping_and_decay_mask(wordpiece_dir, tmp
     optim = OptimConfig(lr=3e-3, b2=0.999, eps=1e-8, weight_decay=0.1, clip_norm=0.5)
     graphdef, params, rest = nnx.split(pre.model, nnx.Param, ...)
     tx = make_optimizer(optim, params, pre.model.config.num_layers)
-    state = new_train_state(params, tx, make_mesh(devices=jax.devices()[:1]))
+    state = new_train_state(jax.device_put(params), tx, make_mesh(devices=jax.devices()[:1]))
     # The program fine-tuning runs: the gradients, then the update, as two compiled programs.
     step = compile_train_step(graphdef, rest, tx, SequenceStepConfig("mse"), jax.tree.map(lambda x: x.sharding, state))
     no_decay = [n.endswith("bias") or "LayerNorm" in n for n, _ in ref.named_parameters()]
