@@ -69,7 +69,13 @@ def _micro(x: jax.Array, a: int) -> jax.Array:
 
 
 def gradients(
-    graphdef: Any, rest: Any, params: Any, step: jax.Array, batch: dict[str, jax.Array], key: jax.Array, cfg: Any
+    graphdef: Any,
+    rest: Any,
+    params: Any,
+    step: jax.Array,
+    batch: dict[str, jax.Array],
+    key: jax.Array,
+    cfg: SequenceStepConfig,
 ) -> tuple[Any, jax.Array]:
     """The gradients of the batch's loss at `params` (the update numbered `step`), and the loss."""
     loss_of = LOSSES[cfg.loss]
