@@ -45,8 +45,8 @@ def losses(run_dir, key="loss"):
     return {m["step"]: m[key] for m in read_metrics(run_dir) if key in m}
 
 
-def params_of(run_dir, which="latest"):
-    model = load_run(run_dir, which).model
+def params_of(run_dir, which="latest", part=""):
+    model = load_run(run_dir, which, part).model
     return [np.asarray(x) for x in jax.tree.leaves(nnx.state(model, nnx.Param))]
 
 

@@ -26,7 +26,7 @@ from bertforge.data.shards import BatchLoader, Shards
 from bertforge.errors import UserError
 from bertforge.model.architectures import build, count_params
 from bertforge.runs import load_run
-from bertforge.tasks import pretrain
+from bertforge.tasks import objectives, pretrain
 from bertforge.tokenizer import BertTokenizer
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "pretrain"
@@ -93,7 +93,7 @@ def test_continued_pretraining_starts_at_the_loss_transformers_gives_on_the_same
     loader = BatchLoader(train, 8, seed=cfg.data.seed)
     ids = np.asarray(next(loader))
     loader.close()
-    spec = pretrain._masking_spec(cfg, BertTokenizer.load(folder), train.manifest["special_ids"], 700)
+    spec = objectives.masking_spec(cfg, BertTokenizer.load(folder), train.manifest["special_ids"], 700)
     mask_key, _ = jax.random.split(jax.random.fold_in(jax.random.key(cfg.train.seed), 0))
     inputs, labels = (torch.tensor(np.asarray(x), dtype=torch.long) for x in mask_tokens(mask_key, ids, spec))
     theirs = AutoModelForMaskedLM.from_pretrained(folder).eval()

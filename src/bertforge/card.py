@@ -17,7 +17,11 @@ from bertforge.model.config import ModelConfig
 CARD = "README.md"
 CURVES = "curves.png"
 
-PIPELINES = {"mlm": "fill-mask", "sequence": "text-classification"}
+PIPELINES = {"mlm": "fill-mask", "sequence": "text-classification", "rtd": "feature-extraction"}
+WHAT = {"mlm": "masked-language model", "sequence": "sequence-classification model",
+        "rtd": "replaced-token detection discriminator (fine-tune it with a task head)"}  # fmt: skip
+# A discriminator loads as its encoder everywhere; its detection head only in ElectraForPreTraining.
+AUTO = {"mlm": "AutoModelForMaskedLM", "sequence": "AutoModelForSequenceClassification", "rtd": "AutoModel"}
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.\-]*/[\w.\-]+")
 
 
@@ -79,10 +83,10 @@ def model_card(
     """README.md of an exported model: `name` its Hub repository (ORG/NAME) or folder name, `kind` 'pretrain' or
     'finetune', `records` its metrics.jsonl."""
     meta = _metadata(model, head, list(metrics), base_model, language, datasets, license)
-    what = "masked-language model" if head == "mlm" else "sequence-classification model"
+    what = WHAT[head]
     how = "pretrained" if kind == "pretrain" else "fine-tuned"
     model_type = meta["tags"][1]
-    auto = "AutoModelForMaskedLM" if head == "mlm" else "AutoModelForSequenceClassification"
+    auto = AUTO[head]
     where = name if "/" in name else "path/to/this/folder"  # a Hub repository, or wherever it was written
     size = f"{model.num_layers} layers, hidden size {model.hidden_size}, vocabulary {model.vocab_size:,}"
     lines = [

@@ -47,8 +47,8 @@ from bertforge.errors import UserError
 from bertforge.fileio import read_json_object, write_atomic
 from bertforge.model.architectures import build, key_table
 from bertforge.model.config import ModelConfig
-from bertforge.model.heads import MaskedLM
 from bertforge.model.hf import Pretrained, load_pretrained
+from bertforge.model.rtd import RtdConfig, build_pair, discriminator_alone
 from bertforge.tokenizer import BertTokenizer
 from bertforge.train.checkpoint import DAMAGED, Checkpoints
 from bertforge.train.optim import OptimConfig, make_optimizer
@@ -228,9 +228,10 @@ def _step(checkpoints: Checkpoints, which: str, run: Path) -> int:
     return int(which)
 
 
-def load_run(run: str | Path, which: str = "latest") -> Pretrained:
+def load_run(run: str | Path, which: str = "latest", part: str = "") -> Pretrained:
     """The model of a pretraining run at a checkpoint ('latest': the newest whole one, 'best', or a step number),
-    with the run's tokenizer."""
+    with the run's tokenizer. Of a replaced-token detection run, `part` 'discriminator' (the default: alone, see
+    model/rtd.py) or 'generator'."""
     run = Path(run)
     if not is_run(run):
         raise UserError(f"{run}: not a bertforge run (no {RUN_FILE} and {CHECKPOINTS}/)")
@@ -238,7 +239,13 @@ def load_run(run: str | Path, which: str = "latest") -> Pretrained:
     model_cfg = from_dict(ModelConfig, data.get("model", {}), "model")
     optim = from_dict(OptimConfig, data.get("optim", {}), "optim")
     seed = int((data.get("train") or {}).get("seed", 0))  # the dropout keys the run's model was built with
-    model = build(model_cfg, "mlm", seed=seed)
+    rtd = data.get("objective") == "rtd"
+    if part and not rtd:
+        raise UserError(f"{run}: --part {part}: a masked-LM run has one model; parts are of replaced-token detection")
+    if rtd:
+        model: Any = build_pair(model_cfg, from_dict(RtdConfig, data.get("rtd") or {}, "rtd"), seed)
+    else:
+        model = build(model_cfg, "mlm", seed=seed)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     tx = make_optimizer(optim, params, model_cfg.num_layers)
     target = TrainState(jnp.int32(0), params, jax.eval_shape(tx.init, params))
@@ -255,9 +262,10 @@ def load_run(run: str | Path, which: str = "latest") -> Pretrained:
     finally:
         checkpoints.close()
     model = nnx.merge(graphdef, state.params, rest)
-    assert isinstance(model, MaskedLM)
+    if rtd:
+        model = model.generator if part == "generator" else discriminator_alone(model)
     tokenizer = BertTokenizer.load(run / TOKENIZER)
-    return Pretrained(model, tokenizer, "mlm", {}, None, run, [], step)
+    return Pretrained(model, tokenizer, model.task, {}, None, run, [], step)
 
 
 def load_model(name: str | os.PathLike, head: str | None = None, **options: Any) -> Pretrained:
@@ -276,7 +284,7 @@ def _from_run(
     overrides = dict(overrides or {})
     if dtype is not None:
         overrides["dtype"] = dtype
-    pre = load_run(name)
+    pre = load_run(name, part="generator" if head in (None, "mlm") and _is_rtd(name) else "")
     try:
         cfg = dataclasses.replace(pre.model.config, **overrides)
     except (TypeError, ValueError) as e:
@@ -295,6 +303,10 @@ def _from_run(
     missing = [row.hf for row in key_table(cfg, "sequence") if row.head]
     id2label = {i: f"LABEL_{i}" for i in range(n)}
     return Pretrained(model, pre.tokenizer, "sequence", id2label, None, pre.folder, missing)
+
+
+def _is_rtd(run: Path) -> bool:
+    return (read_yaml(run / CONFIG) or {}).get("objective") == "rtd"
 
 
 # What `pretrain --init-from` takes from the model section: how the model runs, not what it is.

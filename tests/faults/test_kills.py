@@ -26,6 +26,11 @@ MODERNBERT = ["--model.flavor=modernbert", "--model.intermediate_size=48", "--mo
               "--model.global_attn_every_n_layers=2"]  # fmt: skip
 
 
+# Replaced-token detection: an ELECTRA discriminator and a generator of half its width, DeBERTa-v3's sharing.
+RTD = ["--objective=rtd", "--model.flavor=electra", "--model.embedding_size=16", "--rtd.generator_width=0.5",
+       "--rtd.sharing=gdes"]  # fmt: skip
+
+
 def pretrain_args(shards: Path, out: Path, *extra: str) -> list[str]:
     return ["pretrain", "--data", str(shards), "--out", str(out), *PRETRAIN, *extra]
 
@@ -44,10 +49,13 @@ def newest_whole_checkpoint(run: Path) -> int:
 
 def assert_same_run(reference: Path, run: Path) -> None:
     """Every logged metric of every step, and the final parameters, equal the uninterrupted run's."""
-    for key in ("loss", "accuracy", "grad_norm", "lr", "valid_loss"):
+    for key in ("loss", "accuracy", "grad_norm", "lr", "valid_loss", "disc_accuracy", "gen_loss", "valid_disc_auc"):
         assert losses(run, key) == losses(reference, key), key
     for x, y in zip(params_of(reference), params_of(run), strict=True):
         np.testing.assert_array_equal(y, x)
+    if (run / "config.yaml").read_text().count("objective: rtd"):
+        for x, y in zip(params_of(reference, part="generator"), params_of(run, part="generator"), strict=True):
+            np.testing.assert_array_equal(y, x)
     assert not list((run / "checkpoints").glob("*tmp*")), "a temporary checkpoint folder was left behind"
 
 
@@ -82,6 +90,22 @@ def test_modernbert_pretrain_killed_at_a_random_step(shards, modernbert_referenc
     run, step, delay = tmp_path / "run", r.randint(2, 28), r.uniform(0, 0.1)
     kill_when(bertforge(*pretrain_args(shards, run, *MODERNBERT)), lambda: max(losses(run), default=0) >= step, delay)
     resume_and_compare(shards, modernbert_reference, run, *MODERNBERT)
+
+
+@pytest.fixture(scope="module")
+def rtd_reference(shards, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("reference") / "rtd"
+    run_ok(bertforge(*pretrain_args(shards, out, *RTD)))
+    return out
+
+
+@pytest.mark.parametrize("seed", seeds())
+def test_rtd_pretrain_killed_at_a_random_step(shards, rtd_reference, tmp_path, tally, seed):
+    tally("kill")
+    r = rng("rtd-step", seed)
+    run, step, delay = tmp_path / "run", r.randint(2, 28), r.uniform(0, 0.1)
+    kill_when(bertforge(*pretrain_args(shards, run, *RTD)), lambda: max(losses(run), default=0) >= step, delay)
+    resume_and_compare(shards, rtd_reference, run, *RTD)
 
 
 @pytest.mark.parametrize("seed", seeds(fast=0))

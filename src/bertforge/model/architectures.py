@@ -5,7 +5,9 @@ Each architecture's file gives: Encoder(cfg, rngs=...), mlm_head(cfg, rngs), seq
 key_table(cfg, head), hf_fields(data, flavor, source) (ModelConfig fields from its config.json, refusing options
 it does not implement), hf_config(cfg, head) (its config.json apart from the labels), normalise_keys(tensors,
 cfg), PRETRAINING_HEAD (the head of its *ForPreTraining class, None when that is not a masked-LM head) and
-NATIVE_POOLINGS (the poolings transformers' own sequence head does).
+NATIVE_POOLINGS (the poolings transformers' own sequence head does). An architecture whose transformers class holds
+a replaced-token detection head (ELECTRA) gives rtd_rows(cfg) and RTD_ARCHITECTURE; the others' discriminators are
+written as their bare encoder ({prefix}Model).
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ from flax import nnx
 
 from bertforge.errors import UserError
 from bertforge.model import bert, deberta, distilbert, electra, modernbert
-from bertforge.model.config import HeadInfo, ModelConfig
-from bertforge.model.heads import MaskedLM, Model, SequenceClassifier
+from bertforge.model.config import FAMILIES, HeadInfo, ModelConfig
+from bertforge.model.heads import Discriminator, MaskedLM, Model, RtdHead, SequenceClassifier
 from bertforge.model.keys import Row
 
 ARCHITECTURES: dict[str, ModuleType] = {
@@ -44,7 +46,7 @@ MODEL_TYPES = {
     "electra": "electra",
     "distilbert": "distilbert",
 }
-HEADS = ("mlm", "sequence")
+HEADS = ("mlm", "sequence", "rtd")
 
 
 def architecture(cfg: ModelConfig) -> ModuleType:
@@ -52,7 +54,7 @@ def architecture(cfg: ModelConfig) -> ModuleType:
 
 
 def build(cfg: ModelConfig, head: str = "mlm", num_labels: int = 1, seed: int = 0) -> Model:
-    """A freshly initialised model of cfg's architecture: head 'mlm' or 'sequence'."""
+    """A freshly initialised model of cfg's architecture: head 'mlm', 'sequence' or 'rtd' (a discriminator)."""
     if head not in HEADS:
         raise ValueError(f"unknown head {head!r} (mlm or sequence)")
     arch = architecture(cfg)
@@ -60,6 +62,8 @@ def build(cfg: ModelConfig, head: str = "mlm", num_labels: int = 1, seed: int = 
     encoder = arch.Encoder(cfg, rngs=rngs)
     if head == "mlm":
         return MaskedLM(cfg, encoder, arch.mlm_head(cfg, rngs))
+    if head == "rtd":
+        return Discriminator(cfg, encoder, RtdHead(cfg, rngs=rngs))
     return SequenceClassifier(cfg, num_labels, encoder, arch.sequence_head(cfg, num_labels, rngs))
 
 
@@ -72,7 +76,12 @@ def key_table(cfg: ModelConfig, head: str) -> list[Row]:
     """Every parameter of a model of `head` with its Hugging Face name."""
     if head not in HEADS:
         raise ValueError(f"unknown head {head!r}")
-    rows = architecture(cfg).key_table(cfg, head)
+    arch = architecture(cfg)
+    if head == "rtd":
+        # The encoder as the masked-LM model names it, and the detection head where transformers has one.
+        rows = [row for row in arch.key_table(cfg, "mlm") if not row.head]
+        return rows + (arch.rtd_rows(cfg) if hasattr(arch, "rtd_rows") else [])
+    rows = arch.key_table(cfg, head)
     if head == "sequence" and cfg.pooling == "attention":
         # Not a transformers parameter: a bertforge folder with attention pooling is read back by bertforge.
         rows = [*rows, Row("bertforge_pooling.score", ("head", "score"), False, True)]
@@ -118,10 +127,12 @@ def config_from_hf(data: dict[str, Any], source: str) -> tuple[ModelConfig, Head
 
 
 def config_to_hf(cfg: ModelConfig, head: str, id2label: dict[int, str] | None = None) -> dict[str, Any]:
-    """The config.json of a model of `head` ('mlm' or 'sequence'); runtime choices (dtype, remat, attention) stay
-    out of it."""
+    """The config.json of a model of `head` ('mlm', 'sequence' or 'rtd'); runtime choices (dtype, remat, attention)
+    stay out of it."""
     arch = architecture(cfg)
-    out = {**arch.hf_config(cfg, head), "dtype": "float32"}
+    out = {**arch.hf_config(cfg, "mlm" if head == "rtd" else head), "dtype": "float32"}
+    if head == "rtd":
+        out["architectures"] = [getattr(arch, "RTD_ARCHITECTURE", f"{FAMILIES[cfg.flavor].hf_prefix}Model")]
     if head == "sequence":
         labels = id2label or {0: "LABEL_0"}
         out["id2label"] = {str(k): v for k, v in sorted(labels.items())}

@@ -57,7 +57,14 @@ def key_table(cfg: ModelConfig, head: str) -> list[Row]:
     return rows
 
 
+def rtd_rows(cfg: ModelConfig) -> list[Row]:
+    """ElectraForPreTraining's head: the discriminator's (see heads.RtdHead)."""
+    rows = linear_rows("discriminator_predictions.dense", ("head", "dense"), True)
+    return rows + linear_rows("discriminator_predictions.dense_prediction", ("head", "prediction"), True)
+
+
 # ------------------------------------------------------------------------------------------------------ config.json
+RTD_ARCHITECTURE = "ElectraForPreTraining"
 PRETRAINING_HEAD = None  # ElectraForPreTraining's head tells replaced tokens apart: no MLM head to load
 NATIVE_POOLINGS = ("cls",)
 # ModelConfig field -> config.json key

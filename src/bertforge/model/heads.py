@@ -1,5 +1,5 @@
-"""Task heads on top of an encoder's hidden states (the masked-LM head, the sequence head with its poolings), and
-the two models every architecture builds from its encoder and these heads.
+"""Task heads on top of an encoder's hidden states (the masked-LM head, the sequence head with its poolings, the
+replaced-token detection head), and the models every architecture builds from its encoder and these heads.
 
 An architecture's encoder (bert.py, deberta.py, ...) is called as encoder(input_ids, attention_mask,
 token_type_ids, first_only) -> (B, T, D) and gives its word embedding table as encoder.word_embedding() (V, E).
@@ -94,6 +94,21 @@ class SequenceHead(nnx.Module):
         return self.out(self.dropout(x)).astype(jnp.float32)
 
 
+class RtdHead(nnx.Module):
+    """ELECTRA's discriminator head: dense (D -> D), the model's activation, dense (D -> 1): one logit per token,
+    positive for a token the generator replaced."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.dense = dense(cfg, cfg.hidden_size, cfg.hidden_size, ("embed", None), rngs)
+        self.prediction = dense(cfg, cfg.hidden_size, 1, (None, None), rngs)
+
+    def __call__(self, hidden: jax.Array) -> jax.Array:
+        """hidden (..., D) -> float32 logits (...)."""
+        x = ACTIVATIONS[self.cfg.hidden_act](self.dense(hidden))
+        return self.prediction(x)[..., 0].astype(jnp.float32)
+
+
 class MaskedLM(nnx.Module):
     """An encoder with the masked-LM head."""
 
@@ -136,4 +151,19 @@ class SequenceClassifier(nnx.Module):
         return self.head(self.encoder(input_ids, attention_mask, token_type_ids, first_only), attention_mask)
 
 
-Model = MaskedLM | SequenceClassifier
+class Discriminator(nnx.Module):
+    """An encoder with the replaced-token detection head: ELECTRA's discriminator (ElectraForPreTraining)."""
+
+    task = "rtd"
+
+    def __init__(self, cfg: ModelConfig, encoder: nnx.Module, head: RtdHead):
+        self.config = cfg
+        self.encoder = encoder
+        self.head = head
+
+    def __call__(self, input_ids: jax.Array, attention_mask: Ids = None, token_type_ids: Ids = None) -> jax.Array:
+        """(B, T) -> (B, T) float32 logits, positive where a token looks replaced."""
+        return self.head(self.encoder(input_ids, attention_mask, token_type_ids))
+
+
+Model = MaskedLM | SequenceClassifier | Discriminator

@@ -1,5 +1,6 @@
 """`bertforge export RUN`: a pretraining run's weights as a Hugging Face folder (config, safetensors, tokenizer, a
-model card), and with `--push-to-hub ORG/NAME` that folder published on the Hugging Face Hub."""
+model card), and with `--push-to-hub ORG/NAME` that folder published on the Hugging Face Hub. A replaced-token
+detection run exports its discriminator, or with `--part generator` its generator (a masked-LM model)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from bertforge import hub, runs
 from bertforge.card import card_files
 from bertforge.config import read_yaml
 from bertforge.errors import UserError
-from bertforge.model.heads import MaskedLM
+from bertforge.model.heads import Model
 from bertforge.model.hf import save_pretrained
 from bertforge.tokenizer import BertTokenizer
 from bertforge.train.logging import read_metrics
@@ -24,6 +25,7 @@ class ExportConfig:
     run: str  # run folder
     out: str = ""  # Hugging Face folder to write (with --push-to-hub and no --out: a temporary one)
     step: str = "latest"  # latest, best, or a step number
+    part: str = ""  # of a replaced-token detection run: discriminator (the default) or generator
     push_to_hub: str = ""  # ORG/NAME: publish the folder in this Hub model repository (made when missing)
     private: bool = False  # make the Hub repository private when it is created
     revision: str = ""  # Hub branch to push to (made when missing); default: main
@@ -34,12 +36,14 @@ class ExportConfig:
 
     def __post_init__(self) -> None:
         problem = hub.repo_problem(self.push_to_hub) if self.push_to_hub else None
+        if self.part not in ("", "discriminator", "generator"):
+            raise ValueError(f"--part {self.part!r}: discriminator or generator")
         if problem is not None:
             raise ValueError(f"--push-to-hub {self.push_to_hub!r}: not a repository name the Hub accepts ({problem})")
 
 
 def export_pretrained(
-    model: MaskedLM,
+    model: Model,
     tokenizer: BertTokenizer,
     run: str | Path,
     out: str | Path,
@@ -60,10 +64,10 @@ def export_pretrained(
         kind="pretrain",
         records=records,
         model=model.config,
-        head="mlm",
+        head=model.task,
         config=config,
         step=step,
-        metrics=("perplexity", "accuracy"),
+        metrics=("perplexity", "accuracy") if model.task == "mlm" else ("accuracy", "roc_auc"),
         **(card or {}),
     )
     return save_pretrained(model, out, tokenizer, extra_files={**files, "bertforge.json": provenance})
@@ -74,8 +78,8 @@ def main(cfg: ExportConfig) -> tuple[Path | None, str | None]:
     folder (None when it was a temporary one) and the Hub commit's URL (None without a push)."""
     if not cfg.out and not cfg.push_to_hub:
         raise UserError("nowhere to export to: give --out FOLDER, --push-to-hub ORG/NAME, or both")
-    pre = runs.load_run(cfg.run, cfg.step)
-    assert isinstance(pre.model, MaskedLM) and pre.tokenizer is not None and pre.step is not None
+    pre = runs.load_run(cfg.run, cfg.step, cfg.part)
+    assert pre.tokenizer is not None and pre.step is not None
     card = {"language": cfg.language, "datasets": cfg.datasets, "license": cfg.license}
     name = cfg.push_to_hub
     with tempfile.TemporaryDirectory(prefix="bertforge-export-") as tmp:

@@ -42,7 +42,9 @@ from bertforge.parallel import (
     param_shardings,
     spec_for,
 )
-from bertforge.tasks.pretrain import PretrainConfig, compile_steps
+from bertforge.tasks import objectives
+from bertforge.tasks.objectives import compile_steps
+from bertforge.tasks.pretrain import PretrainConfig
 from bertforge.train.optim import make_optimizer
 from bertforge.train.step import abstract_train_state, prediction_capacity
 
@@ -133,7 +135,7 @@ def compiled_bytes(cfg: PretrainConfig, seq_len: int) -> int:
     """The memory per device JAX reports for `cfg`'s compiled train step on this machine's devices (arguments,
     outputs and temporaries, donated buffers counted once). Compiles without allocating the model."""
     mesh = build_mesh(cfg.mesh, cfg.train.global_batch, cfg.train.grad_accum, "train.global_batch")
-    model = nnx.eval_shape(lambda: build(cfg.model, "mlm"))
+    model = nnx.eval_shape(lambda: objectives.build_model(cfg, cfg.model, 0))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     rest = jax.tree.map(
         lambda a: jax.random.key(0) if jnp.issubdtype(a.dtype, jax.dtypes.prng_key) else jnp.zeros(a.shape, a.dtype),
@@ -176,6 +178,8 @@ def main(cfg: PlanConfig) -> tuple[Plan, int | None]:
     devices = cfg.devices if cfg.devices is not None else cfg.mesh.num_devices or jax.device_count()
     if seq_len > cfg.model.max_seq_len:
         raise UserError(f"--seq-len {seq_len} is longer than the model's {cfg.model.max_seq_len} positions")
+    if cfg.objective == "rtd" and not cfg.compile:
+        raise UserError("the closed-form plan is masked LM's; plan objective rtd with --compile (JAX's own figure)")
     plan = estimate(cfg, devices, seq_len)
     measured = None
     if cfg.compile:

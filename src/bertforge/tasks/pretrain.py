@@ -1,4 +1,5 @@
-"""`bertforge pretrain`: masked-LM pretraining from scratch on preprocessed shards, resumable at any point.
+"""`bertforge pretrain`: masked-LM or replaced-token detection pretraining (objectives.py) from scratch or from a
+model, on preprocessed shards, resumable at any point.
 
 The same command run again continues from the newest complete checkpoint, with the same data order, masks and
 dropout, as if it had never stopped.
@@ -7,29 +8,27 @@ dropout, as if it had never stopped.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
 import shutil
 from collections.abc import Collection
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from bertforge import hub, runs
-from bertforge.bench.flops import device_peak_flops, train_flops_per_token
+from bertforge.bench.flops import device_peak_flops
 from bertforge.config import to_dict
-from bertforge.data.masking import MaskingSpec, continuation_table
 from bertforge.data.ramp import Ramp, make_loader, ramp_of
 from bertforge.data.shards import Shards
 from bertforge.errors import UserError
 from bertforge.fileio import write_folder_atomic
-from bertforge.model.architectures import SEGMENT_FLAVORS, build, count_params
+from bertforge.model.architectures import SEGMENT_FLAVORS, count_params
 from bertforge.model.config import ModelConfig, preset
-from bertforge.parallel import MeshConfig, build_mesh, fetch, global_array, param_shardings, process_0s
+from bertforge.model.rtd import RtdConfig, generator_config
+from bertforge.parallel import MeshConfig, build_mesh, fetch, param_shardings, process_0s
+from bertforge.tasks import objectives
 from bertforge.tasks.export import export_pretrained
 from bertforge.tasks.init import fit_to_tokenizer
 from bertforge.tokenizer import BertTokenizer
@@ -37,7 +36,7 @@ from bertforge.train import loop
 from bertforge.train.checkpoint import Checkpoints
 from bertforge.train.logging import LogConfig, MetricsLog
 from bertforge.train.optim import OptimConfig, learning_rate, make_optimizer, warmup_fraction
-from bertforge.train.step import StepConfig, TrainState, eval_sums, new_train_state, prediction_capacity, train_step
+from bertforge.train.step import TrainState, new_train_state
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +103,9 @@ class PretrainConfig:
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     log: LogConfig = dataclasses.field(default_factory=LogConfig)
     hub: hub.HubConfig = dataclasses.field(default_factory=hub.HubConfig)
+    # mlm: masked LM; rtd: replaced-token detection (ELECTRA, DeBERTa-v3), a generator and a discriminator (rtd).
+    objective: Literal["mlm", "rtd"] = "mlm"
+    rtd: RtdConfig = dataclasses.field(default_factory=RtdConfig)
     # Continue pretraining a Hugging Face folder, hub id or bertforge run: its weights (its MLM head, or a fresh one),
     # its architecture and its tokenizer, which must be the one the shards were made with.
     init_from: str = ""
@@ -124,51 +126,6 @@ def total_steps(cfg: TrainConfig, batches_per_epoch: int, seq_len: int) -> int |
     return min(options) if options else None
 
 
-def _masking_spec(cfg: PretrainConfig, tokenizer: BertTokenizer, special: dict[str, Any], vocab: int) -> MaskingSpec:
-    continues = ()
-    if cfg.mlm.whole_word:
-        vocabulary = tokenizer.tok.get_vocab(with_added_tokens=True)
-        continues = continuation_table(vocabulary, vocab, special=special["all"], **tokenizer.word_marks())
-    return MaskingSpec(
-        mask_id=int(special["mask"]),
-        vocab_size=tokenizer.vocab_size,
-        special_ids=tuple(int(i) for i in special["all"]),
-        rate=cfg.mlm.rate,
-        mask_fraction=cfg.mlm.mask_fraction,
-        random_fraction=cfg.mlm.random_fraction,
-        continues_word=continues,
-    )
-
-
-def compile_steps(
-    cfg: PretrainConfig,
-    graphdef: Any,
-    rest: Any,
-    tx: Any,
-    state_shardings: Any,
-    mesh: jax.sharding.Mesh,
-    seq_len: int,
-    masking: MaskingSpec,
-    pad_id: int,
-    packed_cls: int | None = None,
-) -> tuple[Any, Any]:
-    """The jitted train step (state donated, laid out as `state_shardings`) and the jitted validation sums;
-    `packed_cls` the [CLS] id of packed shards, whose rows hold several sequences."""
-    groups = mesh.shape["data"] * mesh.shape["fsdp"]
-    micro = cfg.train.global_batch // cfg.train.grad_accum
-    step_cfg = StepConfig(
-        masking=masking,
-        pad_id=pad_id,
-        grad_accum=cfg.train.grad_accum,
-        sparse_head=cfg.train.sparse_head,
-        groups=groups,
-        capacity=prediction_capacity(micro // groups * seq_len, cfg.mlm.rate),
-        packed_cls=packed_cls,
-    )
-    step_jit = loop.compile_train_step(train_step, graphdef, rest, tx, step_cfg, state_shardings)
-    return step_jit, jax.jit(functools.partial(eval_sums, graphdef, rest, cfg=step_cfg))
-
-
 def _restore_from(path: Path, state: TrainState) -> tuple[TrainState, dict[str, Any]]:
     """--resume PATH: a step folder (RUN/checkpoints/N) or a run folder (its latest checkpoint)."""
     directory, step = (path.parent, int(path.name)) if path.name.isdigit() else (path / runs.CHECKPOINTS, None)
@@ -186,24 +143,6 @@ def _restore_from(path: Path, state: TrainState) -> tuple[TrainState, dict[str, 
         return source.restore(step, state)
     finally:
         source.close()
-
-
-def _evaluate(eval_fn: Any, params: Any, valid: Shards, cfg: PretrainConfig, mesh: Any) -> dict[str, float]:
-    """Masked-LM loss, perplexity and accuracy over the validation split, with masks fixed across evaluations."""
-    b = cfg.train.global_batch
-    n_batches = math.ceil(valid.num_sequences / b)
-    if cfg.eval.max_batches is not None:
-        n_batches = min(n_batches, cfg.eval.max_batches)
-    key = jax.random.key(cfg.train.seed + 1_000_003)
-    totals = jnp.zeros(3)
-    for i in range(n_batches):
-        rows = np.arange(i * b, min((i + 1) * b, valid.num_sequences))
-        ids = np.full((b, valid.seq_len), valid.pad_id, np.int32)  # the last batch is padded: nothing to predict
-        ids[: len(rows)] = valid.rows(rows)
-        totals = totals + eval_fn(params, global_array(ids, mesh), jax.random.fold_in(key, i))
-    loss_sum, correct, count = (float(x) for x in jax.device_get(totals))
-    loss = loss_sum / max(count, 1)
-    return {"valid_loss": loss, "valid_perplexity": math.exp(min(loss, 50)), "valid_accuracy": correct / max(count, 1)}
 
 
 # ------------------------------------------------------------------------------------------------------ main
@@ -230,6 +169,8 @@ def _main(
     run_tokenizer = run_dir / runs.TOKENIZER
     if not tokenizer_dir and (run_tokenizer / "tokenizer.json").exists():
         tokenizer_dir = str(run_tokenizer)  # a resumed run uses its own copy
+    if cfg.init_from and cfg.objective == "rtd":
+        raise UserError(f"--init-from {cfg.init_from}: continuing from a model is for objective mlm, not rtd")
     init = runs.load_to_continue(cfg.init_from, cfg.model, model_keys, cfg.train.seed) if cfg.init_from else None
     if init is not None:
         tokenizer, tokenizer_dir = init.tokenizer, f"{cfg.init_from} (--init-from)"
@@ -265,7 +206,7 @@ def _main(
     budget = loop.Budget(max_steps=steps, seconds=seconds)
 
     # Model, optimizer and state, laid out on the mesh by the logical-axis rules.
-    model = init.model if init is not None else build(model_cfg, "mlm", seed=cfg.train.seed)
+    model = init.model if init is not None else objectives.build_model(cfg, model_cfg, cfg.train.seed)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     shardings = param_shardings(model, mesh)
     params = jax.device_put(params, shardings)
@@ -290,11 +231,12 @@ def _main(
         if not (run_tokenizer / "tokenizer.json").exists():
             write_folder_atomic(run_tokenizer, tokenizer.save)
         runs.write_config(run_dir, cfg)
-        runs.write_info(run_dir, "pretrain", {"model": to_dict(model_cfg), "shards": cfg.data.shards})
+        info = {"model": to_dict(model_cfg), "shards": cfg.data.shards, "objective": cfg.objective}
+        runs.write_info(run_dir, "pretrain", info)
 
-    masking = _masking_spec(cfg, tokenizer, manifest["special_ids"], model_cfg.vocab_size)
+    masking = objectives.masking_spec(cfg, tokenizer, manifest["special_ids"], model_cfg.vocab_size)
     ids = (tokenizer.pad_id, tokenizer.cls_id if train_shards.packed else None)  # padding, packed rows' [CLS]
-    step_jit, eval_fn = compile_steps(cfg, graphdef, rest, tx, state_shardings, mesh, seq_len, masking, *ids)
+    step_jit, eval_fn = objectives.compile_steps(cfg, graphdef, rest, tx, state_shardings, mesh, seq_len, masking, *ids)
 
     compiled = {cfg.train.grad_accum: step_jit}  # by micro-batches per step: one program per size a ramp takes
 
@@ -305,11 +247,13 @@ def _main(
                 cfg.train, global_batch=n * micro, grad_accum=n, batch_ramp=0.0, batch_ramp_start=None
             )
             c = dataclasses.replace(cfg, train=train)
-            compiled[n] = compile_steps(c, graphdef, rest, tx, state_shardings, mesh, seq_len, masking, *ids)[0]
+            compiled[n] = objectives.compile_steps(
+                c, graphdef, rest, tx, state_shardings, mesh, seq_len, masking, *ids
+            )[0]
         return compiled[n](state, batch, jnp.float32(lr), key)
 
     warmup = warmup_fraction(cfg.optim, steps)
-    flops = train_flops_per_token(model_cfg, seq_len, cfg.mlm.rate if cfg.train.sparse_head else 1.0)
+    flops = objectives.flops_per_token(cfg, model_cfg, seq_len)
     peak = device_peak_flops(model_cfg.dtype)[0] * len(mesh.devices.flat)
     log = MetricsLog(run_dir, cfg.log, steps, start_step, to_dict(cfg))
     last: dict[str, Any] = {}
@@ -329,7 +273,7 @@ def _main(
         if publisher is None:
             return
         folder = run_dir / HUB_STAGING / f"step-{step}"
-        model = nnx.merge(graphdef, params, rest)
+        model = objectives.exported(nnx.merge(graphdef, params, rest))
         export_pretrained(model, tokenizer, run_dir, folder, step, cfg.hub.repo, cfg.hub.card())
         publisher.submit(folder, f"step {step}")
 
@@ -340,10 +284,16 @@ def _main(
             publish(step, state)
 
     def evaluate(step: int, state: TrainState) -> dict[str, float] | None:
-        return None if valid_shards is None else _evaluate(eval_fn, state.params, valid_shards, cfg, mesh)
+        return None if valid_shards is None else objectives.evaluate(eval_fn, state.params, valid_shards, cfg, mesh)
 
+    if cfg.objective == "rtd":
+        gen = generator_config(model_cfg, cfg.rtd)
+        what = f"replaced-token detection, a {model_cfg.num_layers}x{model_cfg.hidden_size} discriminator and a "
+        what += f"{gen.num_layers}x{gen.hidden_size} generator"
+    else:
+        what = f"masked LM, {model_cfg.num_layers}x{model_cfg.hidden_size}"
     log.message(
-        f"pretraining {model_cfg.num_layers}x{model_cfg.hidden_size} ({count_params(params) / 1e6:.1f} M parameters) "
+        f"pretraining ({what}; {count_params(params) / 1e6:.1f} M parameters) "
         f"on {len(mesh.devices.flat)} device(s) {dict(mesh.shape)}: global batch {cfg.train.global_batch} "
         f"({cfg.train.global_batch // len(mesh.devices.flat)} per device"
         f"{f', {cfg.train.grad_accum} accumulation steps' if cfg.train.grad_accum > 1 else ''}) x {seq_len} tokens, "

@@ -93,7 +93,7 @@ def decay_mask(params: Any) -> Any:
     def is_decayed(path: tuple, _: Any) -> bool:
         # Leaves of an nnx.State sit under the Variable's own node: take the last name that is a parameter's.
         names = [n for n in _names(path) if n not in ("value", "raw_value", "_raw_value")]
-        return bool(names) and names[-1] in ("kernel", "embedding")
+        return bool(names) and names[-1] in ("kernel", "embedding", "delta")  # delta: rtd.py's residual table
 
     return jax.tree_util.tree_map_with_path(is_decayed, params)
 

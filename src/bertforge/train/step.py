@@ -91,14 +91,19 @@ def _pick(hidden: jax.Array, labels: jax.Array, capacity: int) -> tuple[jax.Arra
     return hidden[index], labels[index], jnp.arange(capacity) < valid.sum()
 
 
+def encode(encoder: Any, inputs: jax.Array, cfg: StepConfig) -> jax.Array:
+    """(b, T) ids -> (b, T, D), attending to the tokens that are not padding, or in packed rows within each
+    sequence (masking never replaces [CLS], so masked inputs still mark where each sequence starts)."""
+    if cfg.packed_cls is None:
+        return encoder(inputs, (inputs != cfg.pad_id).astype(jnp.int32))
+    return encoder(inputs, segment_ids=segment_ids(inputs, cfg.packed_cls, cfg.pad_id))
+
+
 def mlm_sums(
     model: Any, inputs: jax.Array, labels: jax.Array, cfg: StepConfig
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(loss sum, correct predictions, predictions) over the masked positions of inputs/labels (b, T)."""
-    if cfg.packed_cls is None:
-        hidden = model.encoder(inputs, (inputs != cfg.pad_id).astype(jnp.int32))  # (b, T, D)
-    else:  # masking never replaces [CLS], so the masked inputs still mark where each sequence starts
-        hidden = model.encoder(inputs, segment_ids=segment_ids(inputs, cfg.packed_cls, cfg.pad_id))
+    hidden = encode(model.encoder, inputs, cfg)  # (b, T, D)
     if cfg.sparse_head:
         g = cfg.groups
         picked, target, weight = jax.vmap(_pick, in_axes=(0, 0, None))(
@@ -124,14 +129,16 @@ def with_dropout_key(rest: Any, key: jax.Array) -> Any:
     return jax.tree.unflatten(treedef, leaves)
 
 
+def micro_batches(x: jax.Array, a: int) -> jax.Array:
+    """(B, ...) -> (A, B/A, ...): row i*A + k goes to micro-batch k, so each device keeps its own rows in every
+    micro-batch."""
+    return x.reshape(x.shape[0] // a, a, *x.shape[1:]).swapaxes(0, 1)
+
+
 def _masked_batch(key: jax.Array, ids: jax.Array, cfg: StepConfig) -> tuple[jax.Array, jax.Array]:
     """Mask the global batch, then lay it out as (A, B/A, T) micro-batches with their capped labels."""
     inputs, labels = mask_tokens(key, ids, cfg.masking)
-    b, t = ids.shape
-    a = cfg.grad_accum
-    # Row i*A + k goes to micro-batch k: each device keeps its own rows in every micro-batch.
-    inputs = inputs.reshape(b // a, a, t).swapaxes(0, 1)
-    labels = labels.reshape(b // a, a, t).swapaxes(0, 1)
+    inputs, labels = micro_batches(inputs, cfg.grad_accum), micro_batches(labels, cfg.grad_accum)
     labels = jax.vmap(cap_labels, in_axes=(0, None, None))(labels, cfg.groups, cfg.capacity)
     return inputs, labels
 
