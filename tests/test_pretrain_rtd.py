@@ -77,6 +77,7 @@ def test_the_discriminator_learns_and_exports_as_electra_for_pretraining(shards,
     )
     capsys.readouterr()
     assert cli(["fill-mask", "--model", str(tmp_path / "run"), "--json", "the [MASK] city"]) == 0
+    assert cli(["plot", str(tmp_path / "run")]) == 0 and (tmp_path / "run" / "curves.png").stat().st_size > 0
 
 
 # ------------------------------------------------------------------------------------------------------ the step

@@ -66,7 +66,8 @@ def _pretrain(cfg: Any, args: argparse.Namespace) -> int:
     except Preempted as e:
         print(f"{e}; checkpoint saved; run the same command to continue", file=sys.stderr)
         return 143
-    shown = ", ".join(f"{k} {last[k]:.4g}" for k in ("loss", "valid_loss", "valid_accuracy") if k in last)
+    keys = ("loss", "valid_loss", "valid_accuracy", "valid_gen_loss", "valid_disc_accuracy", "valid_disc_auc")
+    shown = ", ".join(f"{k} {last[k]:.4g}" for k in keys if k in last)
     print(f"pretrained {last['step']} steps ({shown}) -> {args.out}")
     return 0
 
@@ -169,7 +170,7 @@ COMMANDS: dict[str, Command] = {
         _preprocess,
     ),
     "pretrain": Command(
-        "masked-LM pretraining from scratch; the same command again resumes",
+        "masked-LM or replaced-token detection pretraining; the same command again resumes",
         "bertforge.tasks.pretrain:PretrainConfig",
         _pretrain,
         "Overrides such as --train.max_steps=1000 --optim.lr=1e-3 follow the flags.",

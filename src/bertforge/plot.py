@@ -53,31 +53,56 @@ def _pyplot() -> Any:
 
 
 def pretrain_figure(name: str, records: list[dict[str, Any]]) -> Any:
-    """Training and validation MLM loss, masked-token accuracy and learning rate against steps (tokens on top)."""
+    """Training and validation MLM loss, masked-token accuracy and learning rate against steps (tokens on top). A
+    replaced-token detection run shows its generator's MLM loss and its discriminator's loss, and the
+    discriminator's validation accuracy against that of calling every token original."""
     plt = _pyplot()
-    train = [r for r in records if "loss" in r]
-    valid = [r for r in records if "valid_loss" in r]
+    rtd = any("disc_loss" in r for r in records)
+    loss, valid_loss = ("gen_loss", "valid_gen_loss") if rtd else ("loss", "valid_loss")
+    train = [r for r in records if loss in r]
+    valid = [r for r in records if valid_loss in r]
     fig, (ax_loss, ax_acc, ax_lr) = plt.subplots(
         3, 1, figsize=(7, 7), sharex=True, height_ratios=(3, 1.5, 1), layout="constrained"
     )
-    ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train], lw=1, label="train MLM loss")
+    what = "generator MLM loss" if rtd else "MLM loss"
+    ax_loss.plot([r["step"] for r in train], [r[loss] for r in train], lw=1, label=f"train {what}")
     if valid:
-        ax_loss.plot([r["step"] for r in valid], [r["valid_loss"] for r in valid], "o-", label="validation MLM loss")
+        ax_loss.plot([r["step"] for r in valid], [r[valid_loss] for r in valid], "o-", label=f"validation {what}")
+    if rtd:
+        steps, disc = [r["step"] for r in train], [r["disc_loss"] for r in train]
+        ax_loss.plot(steps, disc, lw=1, label="train discriminator loss")
+        steps, disc = [r["step"] for r in valid], [r["valid_disc_loss"] for r in valid]
+        ax_loss.plot(steps, disc, "o-", label="validation discriminator loss")
     ax_loss.set_ylabel("loss (nats)")
     ax_loss.legend()
     if train and train[-1].get("tokens"):
         per_step = train[-1]["tokens"] / max(train[-1]["step"], 1) / 1e6
         top = ax_loss.secondary_xaxis("top", functions=(lambda s: s * per_step, lambda t: t / per_step))
         top.set_xlabel("tokens (millions)")
-    accurate = [r for r in valid if "valid_accuracy" in r]
-    ax_acc.plot([r["step"] for r in accurate], [100 * r["valid_accuracy"] for r in accurate], "o-", color="C1")
-    ax_acc.set_ylabel("validation masked-\ntoken accuracy (%)")
+    if rtd:
+        steps = [r["step"] for r in valid]
+        ax_acc.plot(steps, [100 * r["valid_disc_accuracy"] for r in valid], "o-", color="C1", label="discriminator")
+        ax_acc.plot(steps, [100 * (1 - r["valid_replaced"]) for r in valid], "--", color="C7", label="all original")
+        ax_acc.legend(fontsize=7)
+        ax_acc.set_ylabel("validation token\naccuracy (%)")
+    else:
+        accurate = [r for r in valid if "valid_accuracy" in r]
+        ax_acc.plot([r["step"] for r in accurate], [100 * r["valid_accuracy"] for r in accurate], "o-", color="C1")
+        ax_acc.set_ylabel("validation masked-\ntoken accuracy (%)")
     ax_lr.plot([r["step"] for r in train], [r.get("lr", float("nan")) for r in train], color="C2", lw=1)
     ax_lr.set_ylabel("learning rate")
     ax_lr.set_xlabel("step")
     for ax in (ax_loss, ax_acc, ax_lr):
         ax.grid(alpha=0.3)
-    if valid:
+    if valid and rtd:
+        last = valid[-1]
+        fig.suptitle(
+            f"{name}: discriminator accuracy {100 * last['valid_disc_accuracy']:.1f}% (all original: "
+            f"{100 * (1 - last['valid_replaced']):.1f}%), AUC {last['valid_disc_auc']:.3f}; generator loss "
+            f"{last['valid_gen_loss']:.3f}",
+            fontsize=9,
+        )
+    elif valid:
         last = valid[-1]
         fig.suptitle(
             f"{name}: validation loss {last['valid_loss']:.3f}, "
