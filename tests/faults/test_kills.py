@@ -67,13 +67,18 @@ def resume_and_compare(shards: Path, reference: Path, run: Path, *extra: str) ->
     assert_same_run(reference, run)
 
 
+def kill_at_a_random_step_and_resume(shards: Path, reference: Path, run: Path, stream: str, seed: int, *extra: str):
+    """Kill -9 the run once it has logged a random step (after a random delay), then run the same command again."""
+    r = rng(stream, seed)
+    step, delay = r.randint(2, 28), r.uniform(0, 0.1)
+    kill_when(bertforge(*pretrain_args(shards, run, *extra)), lambda: max(losses(run), default=0) >= step, delay)
+    resume_and_compare(shards, reference, run, *extra)
+
+
 @pytest.mark.parametrize("seed", seeds())
 def test_pretrain_killed_at_a_random_step(shards, reference, tmp_path, tally, seed):
     tally("kill")
-    r = rng("step", seed)
-    run, step, delay = tmp_path / "run", r.randint(2, 28), r.uniform(0, 0.1)
-    kill_when(bertforge(*pretrain_args(shards, run)), lambda: max(losses(run), default=0) >= step, delay)
-    resume_and_compare(shards, reference, run)
+    kill_at_a_random_step_and_resume(shards, reference, tmp_path / "run", "step", seed)
 
 
 @pytest.fixture(scope="module")
@@ -86,10 +91,9 @@ def modernbert_reference(shards, tmp_path_factory) -> Path:
 @pytest.mark.parametrize("seed", seeds())
 def test_modernbert_pretrain_killed_at_a_random_step(shards, modernbert_reference, tmp_path, tally, seed):
     tally("kill")
-    r = rng("modernbert-step", seed)
-    run, step, delay = tmp_path / "run", r.randint(2, 28), r.uniform(0, 0.1)
-    kill_when(bertforge(*pretrain_args(shards, run, *MODERNBERT)), lambda: max(losses(run), default=0) >= step, delay)
-    resume_and_compare(shards, modernbert_reference, run, *MODERNBERT)
+    kill_at_a_random_step_and_resume(
+        shards, modernbert_reference, tmp_path / "run", "modernbert-step", seed, *MODERNBERT
+    )
 
 
 @pytest.fixture(scope="module")
@@ -102,10 +106,7 @@ def rtd_reference(shards, tmp_path_factory) -> Path:
 @pytest.mark.parametrize("seed", seeds())
 def test_rtd_pretrain_killed_at_a_random_step(shards, rtd_reference, tmp_path, tally, seed):
     tally("kill")
-    r = rng("rtd-step", seed)
-    run, step, delay = tmp_path / "run", r.randint(2, 28), r.uniform(0, 0.1)
-    kill_when(bertforge(*pretrain_args(shards, run, *RTD)), lambda: max(losses(run), default=0) >= step, delay)
-    resume_and_compare(shards, rtd_reference, run, *RTD)
+    kill_at_a_random_step_and_resume(shards, rtd_reference, tmp_path / "run", "rtd-step", seed, *RTD)
 
 
 @pytest.mark.parametrize("seed", seeds(fast=0))
