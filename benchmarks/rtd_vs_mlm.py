@@ -1,10 +1,13 @@
 """Masked LM against replaced-token detection at equal pretraining wall time, judged by fine-tuning.
 
-Both objectives pretrain the same discriminator-sized encoder (ELECTRA's architecture, 4 x 256, embeddings of 128)
-on the same shards with the same tokenizer, for the same wall-clock budget, with the same optimizer (mini.yaml's:
-lr 1e-3, linear decay, 6% warmup): masked LM with BERT's masking (configs/pretrain/mini.yaml), replaced-token
-detection with ELECTRA's, a generator a quarter as wide (configs/pretrain/rtd-mini.yaml). Each pretrained encoder
-is then fine-tuned with the same settings on two tasks:
+Both objectives pretrain the same discriminator-sized encoder (4 x 256) on the same shards with the same tokenizer,
+for the same wall-clock budget, with the same optimizer and masking; --arch picks the encoder and its recipe:
+- `modernbert` (the default): configs/pretrain/modernbert-mini.yaml (pre-norm, 30% masking, lr 1e-3 held then
+  decayed); replaced-token detection adds a generator as wide and half as deep, with DeBERTa-v3's sharing;
+- `electra`: ELECTRA's post-norm layers with embeddings of 128; masked LM as configs/pretrain/mini.yaml (BERT's
+  masking, lr 1e-3, linear decay), replaced-token detection as configs/pretrain/rtd-mini.yaml (ELECTRA's masking,
+  a generator a quarter as wide, ELECTRA's sharing).
+Each pretrained encoder is then fine-tuned with the same settings on two tasks:
 - `modules`: the demo's module-classification task (which of 8 stdlib modules a docstring comes from, the demo's
   1,080 training rows, 64 tokens), 5 folds, out-of-fold accuracy;
 - `commonlit`: CommonLit Readability (Kaggle's `commonlitreadabilityprize` train.csv), fold 0 of 5, RMSE.
@@ -12,7 +15,7 @@ Each objective runs with --seeds pretraining seeds (fine-tuning seed 0). Every f
 the command run again continues where it stopped.
 
     .venv/bin/python benchmarks/rtd_vs_mlm.py --data data/wikitext-2/*.txt --commonlit data/commonlit/train.csv \
-        [--minutes 15] [--seeds 0 1]
+        [--arch modernbert|electra] [--minutes 15] [--seeds 0 1]
 """
 
 from __future__ import annotations
@@ -29,10 +32,21 @@ from pathlib import Path
 import numpy as np
 from pretrain_quality import BERTFORGE, ROOT, prepare
 
-OBJECTIVES = {
-    "mlm": ("configs/pretrain/mini.yaml", ["--model.flavor=electra", "--model.embedding_size=128"]),
-    "rtd": ("configs/pretrain/rtd-mini.yaml", []),
+# arch: {objective: (config, extra flags)}
+ARCHES = {
+    "modernbert": {
+        "mlm": ("configs/pretrain/modernbert-mini.yaml", []),
+        "rtd": (
+            "configs/pretrain/modernbert-mini.yaml",
+            ["--objective=rtd", "--rtd.generator_width=1.0", "--rtd.generator_depth=0.5", "--rtd.sharing=gdes"],
+        ),
+    },  # fmt: skip
+    "electra": {
+        "mlm": ("configs/pretrain/mini.yaml", ["--model.flavor=electra", "--model.embedding_size=128"]),
+        "rtd": ("configs/pretrain/rtd-mini.yaml", []),
+    },
 }
+OBJECTIVES = ("mlm", "rtd")
 # task: (table columns and kind, folds flags, max length)
 TASKS = {
     "modules": (["--text-column", "text", "--target-column", "module", "--task", "classification"], 5, 64),
@@ -56,7 +70,7 @@ def pretrain(objective: str, seed: int, args: argparse.Namespace, shards: Path, 
     if (out / "done.json").exists():
         return out
     shutil.rmtree(out, ignore_errors=True)
-    config, extra = OBJECTIVES[objective]
+    config, extra = ARCHES[args.arch][objective]
     cmd = [*BERTFORGE, "pretrain", "--config", str(ROOT / config), "--data", str(shards), "--out", str(out),
            f"--train.time_budget_minutes={args.minutes}", "--train.max_steps=null", f"--train.seed={seed}",
            f"--train.global_batch={args.batch}", "--eval.every=1000000", "--checkpoint.every=500",
@@ -90,6 +104,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", nargs="+", required=True, help="pretraining text files (WikiText-2's, say)")
     p.add_argument("--commonlit", required=True, help="CommonLit Readability's train.csv")
+    p.add_argument("--arch", choices=list(ARCHES), default="modernbert")
     p.add_argument("--minutes", type=float, default=15.0, help="pretraining wall-clock budget of each run")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     p.add_argument("--batch", type=int, default=32)
@@ -98,7 +113,7 @@ def main() -> None:
     p.add_argument("--work", default=str(ROOT / "runs/bench-rtd-vs-mlm"))
     args = p.parse_args()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    work = Path(args.work)
+    work = Path(args.work) / args.arch
     work.mkdir(parents=True, exist_ok=True)
     tok, shards = prepare(args, work)
     modules = work / "modules.csv"
@@ -144,11 +159,11 @@ def report(results: dict, args: argparse.Namespace) -> None:
         bars += [(f"{objective}: modules accuracy", float(np.mean(acc)), colour),
                  (f"{objective}: CommonLit RMSE", float(np.mean(rmse)), colour)]  # fmt: skip
     cpu = subprocess.run(["sh", "-c", "lscpu | sed -n 's/^Model name: *//p'"], capture_output=True, text=True)
-    title = (f"Masked LM against replaced-token detection, {args.minutes:g} minutes of pretraining each (4 x 256 "
-             f"encoder, batch {args.batch} x {args.seq_len}), then fine-tuned alike; {os.cpu_count()} cores of "
+    title = (f"Masked LM against replaced-token detection, {args.minutes:g} minutes of pretraining each ({args.arch} "
+             f"4 x 256, batch {args.batch} x {args.seq_len}), then fine-tuned alike; {os.cpu_count()} cores of "
              f"{cpu.stdout.strip() or 'this CPU'}")  # fmt: skip
     xlabel = "mean over seeds: modules accuracy (higher is better), CommonLit RMSE (lower is better)"
-    save("rtd_vs_mlm", title, "\n".join(lines), rows, bars, xlabel)
+    save(f"rtd_vs_mlm_{args.arch}", title, "\n".join(lines), rows, bars, xlabel)
     print(f"python {' '.join(sys.argv)}")
 
 
