@@ -103,7 +103,9 @@ def rtd_reference(shards, tmp_path_factory) -> Path:
     return out
 
 
-@pytest.mark.parametrize("seed", seeds())
+# Every seed is in the slow set (make faults): the resume path is the one the BERT and ModernBERT kills above check in
+# every run of the suite; this adds the generator and discriminator pair's state.
+@pytest.mark.parametrize("seed", seeds(fast=0))
 def test_rtd_pretrain_killed_at_a_random_step(shards, rtd_reference, tmp_path, tally, seed):
     tally("kill")
     kill_at_a_random_step_and_resume(shards, rtd_reference, tmp_path / "run", "rtd-step", seed, *RTD)
