@@ -25,8 +25,6 @@ from bertforge.train import loop, rtd_step
 from bertforge.train.metrics import binary_auc
 from bertforge.train.step import StepConfig, eval_sums, prediction_capacity, train_step
 
-OBJECTIVES = ("mlm", "rtd")
-
 
 def masking_spec(cfg: Any, tokenizer: BertTokenizer, special: dict[str, Any], vocab: int) -> MaskingSpec:
     """The masks of pretraining config `cfg` for `tokenizer` (whole words when cfg.mlm.whole_word)."""
