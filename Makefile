@@ -35,7 +35,7 @@ lint: dev
 	$(BIN)/ruff format --check .
 
 test: dev lint
-	$(BIN)/python -m pytest -m "not slow"
+	$(BIN)/python -m pytest -m "not slow" --durations=30
 
 # The whole fault suite: 20 seeds per kill, many more hostile inputs; tallies in fault-report.json.
 faults: dev

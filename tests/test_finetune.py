@@ -237,6 +237,63 @@ def test_loss_is_the_weighted_mean_over_real_rows_and_accumulation_gives_the_ful
         assert max(jax.tree.leaves(diff)) < 1e-5
 
 
+@pytest.mark.parametrize("sparse", [False, True], ids=["adamw", "sparse_embeddings"])
+def test_three_steps_equal_adamw_written_out_and_sparse_embeddings_leave_untouched_rows_alone(sparse):
+    # AdamW with global-norm clipping and decoupled decay, written out in numpy over gradients from jax.grad of the
+    # plain loss. With sparse_embeddings, the word table's rows of the batch's tokens (padding included) follow
+    # it and its other rows keep their weights and moments; without, every row follows it. The program is the one
+    # fine-tuning runs (gradients, then the update), with 2 micro-batches.
+    b1, b2, eps, wd, clip = 0.9, 0.999, 1e-8, 0.1, 0.05
+    graphdef, rest, tx, state = _state(b2=b2, eps=eps, weight_decay=wd, clip_norm=clip)
+    shardings = jax.tree.map(lambda x: x.sharding, state)
+    step = compile_train_step(graphdef, rest, tx, SequenceStepConfig("mse", 2, sparse_embeddings=sparse), shardings)
+    start = nnx.to_pure_dict(state.params)
+    table0 = np.asarray(start["encoder"]["embeddings"]["word"]["embedding"])
+    ref = jax.tree.map(lambda x: np.asarray(x, np.float64), start)
+    m, v = jax.tree.map(np.zeros_like, ref), jax.tree.map(np.zeros_like, ref)
+
+    def loss(params, batch):
+        model = nnx.merge(graphdef, nnx.State(params), rest)
+        out = model(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"])
+        return jnp.sum(batch["weight"] * (out[:, 0] - batch["targets"][:, 0]) ** 2) / jnp.sum(batch["weight"] > 0)
+
+    rng = np.random.default_rng(7)
+    touched = set()
+    for t, lr in enumerate([3e-3, 2e-3, 1e-3], start=1):
+        batch = _batch(rng, 8, 12, real=7)
+        batch["input_ids"] = np.where(batch["attention_mask"], rng.integers(5, 60, (8, 12)), 0).astype(np.int32)
+        rows = np.unique(batch["input_ids"])
+        touched |= set(rows.tolist())
+        grads = jax.tree.map(np.asarray, jax.grad(loss)(jax.tree.map(jnp.float32, ref), batch))
+        norm = np.sqrt(sum(np.sum(np.square(g, dtype=np.float64)) for g in jax.tree.leaves(grads)))
+        scale = min(1.0, clip / norm)
+
+        def adamw(path, p, g, m_, v_, t=t, lr=lr, rows=rows, scale=scale):
+            names = [k.key for k in path]
+            table = names == ["encoder", "embeddings", "word", "embedding"]
+            at = rows if sparse and table else slice(None)
+            g = g[at] * scale
+            m_[at] = b1 * m_[at] + (1 - b1) * g
+            v_[at] = b2 * v_[at] + (1 - b2) * g * g
+            step_ = (m_[at] / (1 - b1**t)) / (np.sqrt(v_[at] / (1 - b2**t)) + eps)
+            p[at] -= lr * (step_ + (wd * p[at] if names[-1] in ("kernel", "embedding") else 0))
+            return p
+
+        ref = jax.tree_util.tree_map_with_path(adamw, ref, grads, m, v)
+        state, metrics = step(state, {k: jnp.asarray(x) for k, x in batch.items()}, jnp.float32(lr), jax.random.key(0))
+        assert float(metrics["grad_norm"]) == pytest.approx(norm, rel=1e-4)
+    ours = nnx.to_pure_dict(state.params)
+    for path, a in jax.tree_util.tree_leaves_with_path(ours):
+        expected = ref
+        for k in path:
+            expected = expected[k.key]
+        np.testing.assert_allclose(np.asarray(a), expected, rtol=2e-4, atol=1e-6, err_msg=str(path))
+    table = np.asarray(ours["encoder"]["embeddings"]["word"]["embedding"])
+    untouched = np.setdiff1d(np.arange(len(table)), sorted(touched))
+    # Exactly: the rows no batch held are the starting ones with sparse_embeddings, moved by AdamW without.
+    assert np.array_equal(table[untouched], table0[untouched]) == sparse
+
+
 def test_a_registered_loss_is_used_by_name():
     from bertforge.train.sequence_step import LOSSES, register_loss
 

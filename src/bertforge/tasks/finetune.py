@@ -136,7 +136,8 @@ def _job(cfg: FinetuneConfig, run_dir: Path, pre: Pretrained, table: Table, vali
     state_shardings = jax.tree.map(lambda x: x.sharding, probe)
     del probe
     loss = cfg.head.loss or DEFAULT_LOSS[cfg.head.task]
-    step_cfg = SequenceStepConfig(loss=loss, grad_accum=cfg.train.grad_accum)
+    t = cfg.train
+    step_cfg = SequenceStepConfig(loss=loss, grad_accum=t.grad_accum, sparse_embeddings=t.sparse_embeddings)
     # Outputs replicated: every process reads the whole batch's predictions (metrics are global).
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     return Job(

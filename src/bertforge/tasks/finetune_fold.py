@@ -44,6 +44,9 @@ class TrainConfig:
     dtype: str = "float32"  # compute dtype (bfloat16: mixed precision over float32 parameters)
     remat: bool = False  # recompute each layer's activations in the backward pass: less memory, ~1/3 more compute
     attention: str = "auto"  # auto, custom, xla, cudnn or explicit: the attention implementation (model.attention)
+    # Lazy AdamW on the word-embedding table: only the rows of each batch's tokens are updated (faster on short
+    # texts; changes the numbers, see train/sequence_step.py).
+    sparse_embeddings: bool = False
 
     def __post_init__(self) -> None:
         if self.batch_size < 1 or self.grad_accum < 1 or self.batch_size % self.grad_accum:

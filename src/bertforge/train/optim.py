@@ -87,12 +87,16 @@ def _names(path: tuple) -> list[str]:
     return [str(getattr(p, "key", getattr(p, "name", p))) for p in path]
 
 
+def param_names(path: tuple) -> list[str]:
+    """The names along a parameter's tree path, without the Variable's own node that nnx.State leaves sit under."""
+    return [n for n in _names(path) if n not in ("value", "raw_value", "_raw_value")]
+
+
 def decay_mask(params: Any) -> Any:
     """True for matrices and embeddings; biases and LayerNorm scales take no weight decay (BERT, RoBERTa)."""
 
     def is_decayed(path: tuple, _: Any) -> bool:
-        # Leaves of an nnx.State sit under the Variable's own node: take the last name that is a parameter's.
-        names = [n for n in _names(path) if n not in ("value", "raw_value", "_raw_value")]
+        names = param_names(path)
         return bool(names) and names[-1] in ("kernel", "embedding", "delta")  # delta: rtd.py's residual table
 
     return jax.tree_util.tree_map_with_path(is_decayed, params)
