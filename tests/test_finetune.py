@@ -294,6 +294,26 @@ def test_three_steps_equal_adamw_written_out_and_sparse_embeddings_leave_untouch
     assert np.array_equal(table[untouched], table0[untouched]) == sparse
 
 
+def test_sparse_embeddings_on_8_devices_equal_1_device():
+    # data 2 x fsdp 4: the table's rows are sharded, the batch split; the lazy update must not depend on either.
+    from bertforge.parallel import param_shardings
+
+    cfg = preset("test", hidden_dropout=0.0, attention_dropout=0.0)
+    results = []
+    for mesh in (make_mesh(devices=jax.devices()[:1]), make_mesh(data=2, fsdp=4)):
+        model = build(cfg, "sequence", num_labels=1, seed=1)
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        tx = make_optimizer(OptimConfig(lr=1e-3, clip_norm=0.05), params, cfg.num_layers)
+        state = new_train_state(jax.device_put(params, param_shardings(model, mesh)), tx, mesh)
+        shardings = jax.tree.map(lambda x: x.sharding, state)
+        step = compile_train_step(graphdef, rest, tx, SequenceStepConfig("mse", sparse_embeddings=True), shardings)
+        rng = np.random.default_rng(3)
+        for _ in range(2):
+            state, _ = step(state, _batch(rng, 8, 16, real=8), jnp.float32(1e-3), jax.random.key(0))
+        results.append(jax.device_get(nnx.to_pure_dict(state.params)))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), *results)
+
+
 def test_a_registered_loss_is_used_by_name():
     from bertforge.train.sequence_step import LOSSES, register_loss
 
