@@ -246,7 +246,7 @@ def test_three_steps_equal_adamw_written_out_and_sparse_embeddings_leave_untouch
     b1, b2, eps, wd, clip = 0.9, 0.999, 1e-8, 0.1, 0.05
     graphdef, rest, tx, state = _state(b2=b2, eps=eps, weight_decay=wd, clip_norm=clip)
     shardings = jax.tree.map(lambda x: x.sharding, state)
-    step = compile_train_step(graphdef, rest, tx, SequenceStepConfig("mse", 2, sparse_embeddings=sparse), shardings)
+    step = compile_train_step(graphdef, rest, tx, SequenceStepConfig("mse", 2, sparse, row_capacity=200), shardings)
     start = nnx.to_pure_dict(state.params)
     table0 = np.asarray(start["encoder"]["embeddings"]["word"]["embedding"])
     ref = jax.tree.map(lambda x: np.asarray(x, np.float64), start)

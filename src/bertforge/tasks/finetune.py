@@ -137,7 +137,7 @@ def _job(cfg: FinetuneConfig, run_dir: Path, pre: Pretrained, table: Table, vali
     del probe
     loss = cfg.head.loss or DEFAULT_LOSS[cfg.head.task]
     t = cfg.train
-    step_cfg = SequenceStepConfig(loss=loss, grad_accum=t.grad_accum, sparse_embeddings=t.sparse_embeddings)
+    step_cfg = SequenceStepConfig(loss, t.grad_accum, t.sparse_embeddings, row_capacity=t.batch_size * limit)
     # Outputs replicated: every process reads the whole batch's predictions (metrics are global).
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     return Job(

@@ -68,6 +68,9 @@ class SequenceStepConfig:
     loss: str
     grad_accum: int = 1
     sparse_embeddings: bool = False  # update only the word-embedding rows of the batch's tokens (see above)
+    # Rows the lazy update has room for: at least any batch's tokens. One number for every padded length, so the
+    # update compiles once; 0: each batch's own token count.
+    row_capacity: int = 0
 
 
 # Where every architecture keeps its word-embedding table among the parameters (and the optimizer's moments).
@@ -98,9 +101,10 @@ def word_table(params: Any) -> jax.Array:
     return found[0]
 
 
-def touched_rows(input_ids: jax.Array, vocab: int) -> jax.Array:
-    """(N,) int32: the distinct ids of a (B, T) batch, ascending, then `vocab` (past the table) up to N = B * T."""
-    return jnp.unique(input_ids, size=min(vocab, input_ids.size), fill_value=vocab).astype(jnp.int32)
+def touched_rows(input_ids: jax.Array, vocab: int, capacity: int) -> jax.Array:
+    """(N,) int32: the distinct ids of a (B, T) batch, ascending, then `vocab` (past the table) up to
+    N = min(vocab, capacity); capacity >= B * T holds every id."""
+    return jnp.unique(input_ids, size=min(vocab, capacity), fill_value=vocab).astype(jnp.int32)
 
 
 def take_rows(tree: Any, rows: jax.Array) -> Any:
@@ -151,7 +155,8 @@ def row_gradients(
 ) -> tuple[Any, jax.Array, jax.Array]:
     """gradients, with the table's cut to the rows of the batch's tokens: (grads, loss, rows)."""
     grads, loss = gradients(graphdef, rest, params, step, batch, key, cfg)
-    rows = touched_rows(batch["input_ids"], word_table(params).shape[0])
+    ids = batch["input_ids"]
+    rows = touched_rows(ids, word_table(params).shape[0], max(cfg.row_capacity, ids.size))
     return take_rows(grads, rows), loss, rows
 
 
