@@ -125,8 +125,9 @@ def gradients(
     batch: dict[str, jax.Array],
     key: jax.Array,
     cfg: SequenceStepConfig,
-) -> tuple[Any, jax.Array]:
-    """The gradients of the batch's loss at `params` (the update numbered `step`), and the loss."""
+) -> tuple[Any, jax.Array, jax.Array | None]:
+    """The gradients of the batch's loss at `params` (the update numbered `step`), the loss, and with
+    sparse_embeddings the rows of the batch's tokens, to which the table's gradient is cut (else None)."""
     loss_of = LOSSES[cfg.loss]
     real = jnp.maximum(jnp.sum(batch["weight"] > 0), 1).astype(jnp.float32)
     keys = jax.random.split(jax.random.fold_in(key, step), cfg.grad_accum)
@@ -141,41 +142,25 @@ def gradients(
     def grad_fn(params: Any, xs: tuple) -> tuple[jax.Array, Any]:
         return jax.value_and_grad(loss_fn)(params, xs)
 
-    return accumulate(grad_fn, params, (micro, keys))
-
-
-def row_gradients(
-    graphdef: Any,
-    rest: Any,
-    params: Any,
-    step: jax.Array,
-    batch: dict[str, jax.Array],
-    key: jax.Array,
-    cfg: SequenceStepConfig,
-) -> tuple[Any, jax.Array, jax.Array]:
-    """gradients, with the table's cut to the rows of the batch's tokens: (grads, loss, rows)."""
-    grads, loss = gradients(graphdef, rest, params, step, batch, key, cfg)
+    grads, loss = accumulate(grad_fn, params, (micro, keys))
+    if not cfg.sparse_embeddings:
+        return grads, loss, None
     ids = batch["input_ids"]
     rows = touched_rows(ids, word_table(params).shape[0], max(cfg.row_capacity, ids.size))
     return take_rows(grads, rows), loss, rows
 
 
 def update(
-    state: TrainState, grads: Any, loss: jax.Array, lr: jax.Array, tx: Any
+    state: TrainState, grads: Any, rows: jax.Array | None, loss: jax.Array, lr: jax.Array, tx: Any
 ) -> tuple[TrainState, dict[str, jax.Array]]:
-    """The optimizer update of `grads`; a non-finite loss leaves the state as it was."""
-    new_state, grad_norm, finite = apply_update(state, grads, loss, lr, tx)
-    return new_state, {"loss": loss, "grad_norm": grad_norm, "finite": finite}
-
-
-def row_update(
-    state: TrainState, grads: Any, rows: jax.Array, loss: jax.Array, lr: jax.Array, tx: Any
-) -> tuple[TrainState, dict[str, jax.Array]]:
-    """update, with `grads` from row_gradients: AdamW runs on the table's `rows` (their weights and moments cut
-    out, updated, written back) and on every other parameter. The norm clipped is the whole gradient's, since
-    the table's other rows have none."""
+    """The optimizer update of `grads`; a non-finite loss leaves the state as it was. With `rows` (gradients cut
+    by sparse_embeddings), AdamW runs on the table's rows (their weights and moments cut out, updated, written
+    back) and on every other parameter; the norm clipped is the whole gradient's, since the other rows have none."""
+    if rows is None:
+        new_state, grad_norm, finite = apply_update(state, grads, loss, lr, tx)
+        return new_state, {"loss": loss, "grad_norm": grad_norm, "finite": finite}
     part = TrainState(state.step, take_rows(state.params, rows), take_rows(state.opt_state, rows))
-    new, metrics = update(part, grads, loss, lr, tx)
+    new, metrics = update(part, grads, None, loss, lr, tx)
     params = put_rows(state.params, new.params, rows)
     return TrainState(new.step, params, put_rows(state.opt_state, new.opt_state, rows)), metrics
 
@@ -191,11 +176,8 @@ def train_step(
     cfg: SequenceStepConfig,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer update from a batch; a non-finite loss leaves the state as it was."""
-    if cfg.sparse_embeddings:
-        grads, loss, rows = row_gradients(graphdef, rest, state.params, state.step, batch, key, cfg)
-        return row_update(state, grads, rows, loss, lr, tx)
-    grads, loss = gradients(graphdef, rest, state.params, state.step, batch, key, cfg)
-    return update(state, grads, loss, lr, tx)
+    grads, loss, rows = gradients(graphdef, rest, state.params, state.step, batch, key, cfg)
+    return update(state, grads, rows, loss, lr, tx)
 
 
 def compile_train_step(graphdef: Any, rest: Any, tx: Any, cfg: SequenceStepConfig, state_shardings: Any) -> Any:
@@ -205,32 +187,21 @@ def compile_train_step(graphdef: Any, rest: Any, tx: Any, cfg: SequenceStepConfi
     and trace it again (on a 2-core CPU, MiniLM's update is 2.1 of a 4.2 s compilation). The state is
     donated, so the update reuses its buffers (the gradients have no output of their shape to go to).
     """
+    grad_shardings = state_shardings.params
     if cfg.sparse_embeddings:
         # The table's gradient rows are as many as the batch's tokens: replicated, whatever the table's layout.
-        table = word_table(state_shardings.params)
+        table = word_table(grad_shardings)
         if isinstance(table, jax.sharding.NamedSharding):
             table = jax.sharding.NamedSharding(table.mesh, jax.sharding.PartitionSpec())
-        rows_jit = jax.jit(
-            functools.partial(row_gradients, graphdef, rest, cfg=cfg),
-            out_shardings=(_on_table(lambda _: table, state_shardings.params), None, None),
-        )
-        row_update_jit = jax.jit(
-            functools.partial(row_update, tx=tx), donate_argnums=0, out_shardings=(state_shardings, None)
-        )
-
-        def row_step(state: TrainState, batch: dict, lr: jax.Array, key: jax.Array) -> tuple[TrainState, dict]:
-            grads, loss, rows = rows_jit(state.params, state.step, batch, key)
-            return row_update_jit(state, grads, rows, loss, lr)
-
-        return row_step
+        grad_shardings = _on_table(lambda _: table, grad_shardings)
     grads_jit = jax.jit(
-        functools.partial(gradients, graphdef, rest, cfg=cfg), out_shardings=(state_shardings.params, None)
+        functools.partial(gradients, graphdef, rest, cfg=cfg), out_shardings=(grad_shardings, None, None)
     )
     update_jit = jax.jit(functools.partial(update, tx=tx), donate_argnums=0, out_shardings=(state_shardings, None))
 
     def step(state: TrainState, batch: dict[str, jax.Array], lr: jax.Array, key: jax.Array) -> tuple[TrainState, dict]:
-        grads, loss = grads_jit(state.params, state.step, batch, key)
-        return update_jit(state, grads, loss, lr)
+        grads, loss, rows = grads_jit(state.params, state.step, batch, key)
+        return update_jit(state, grads, rows, loss, lr)
 
     return step
 
