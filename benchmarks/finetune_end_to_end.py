@@ -276,6 +276,7 @@ def main() -> None:
         rows = [r for r in saved if r.get("seed", 0) not in args.seeds]
     for seed in args.seeds:
         args.seed = seed
+        first = len(rows)
         row = functools.partial(_row, seed=seed, epochs=args.epochs)
         bucketed_dir = work / f"bertforge-{args.compare}-{args.max_length}-seed{seed}"
         shutil.rmtree(bucketed_dir, ignore_errors=True)
@@ -293,7 +294,7 @@ def main() -> None:
             shutil.rmtree(sparse_dir, ignore_errors=True)
             result = _bertforge(args, sparse_dir, padded=False, sparse=True)
             rows.append(row("bertforge (sparse embedding update)", result))
-        print(json.dumps(rows[-3:]), flush=True)
+        print(json.dumps(rows[first:]), flush=True)
     _report(args, name, rows)
 
 
