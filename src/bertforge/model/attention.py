@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from bertforge.model.dropout import dropped, keep_mask
+from bertforge.model.layout import row_major
 
 # The logit given to a key that may not be attended, here and in attention pooling. Finite, so that a row with no
 # valid key (an all-padding filler row) gets a uniform softmax instead of NaN; exp of it underflows to exactly 0
@@ -66,9 +67,9 @@ def _attention_forward(q, k, v, bias, key, window, rate, scale):
         # A key outside the window gets exactly MASK_VALUE, as a padded one: a query with no key left (a padded
         # token far from any real one) then has a uniform softmax over all keys, as in every other implementation.
         bias = jnp.where(band(q.shape[1], k.shape[1], window), bias, MASK_VALUE)
-    qt, kt, vt = (x.transpose(0, 2, 1, 3) for x in (q, k, v))  # (B, N, *, H)
-    logits = jnp.matmul(qt, kt.swapaxes(-1, -2), preferred_element_type=jnp.float32) * scale + bias  # (B, N, Q, T)
-    probs = jax.nn.softmax(logits, axis=-1)
+    qt, kt, vt = (row_major(x.transpose(0, 2, 1, 3)) for x in (q, k, v))  # (B, N, *, H)
+    logits = jnp.matmul(qt, row_major(kt.swapaxes(-1, -2)), preferred_element_type=jnp.float32)  # (B, N, Q, T)
+    probs = jax.nn.softmax(logits * scale + bias, axis=-1)
     keep = None if key is None else keep_mask(key, rate, probs.shape)  # (B, N, Q, T) bool
     weights = dropped(probs, keep, rate)
     out = jnp.matmul(weights.astype(vt.dtype), vt, preferred_element_type=jnp.float32).astype(v.dtype)  # (B, N, Q, H)
@@ -112,14 +113,16 @@ def _attention_bwd(window, rate, scale, bias_shape, residuals, d_out):
     qt, kt, vt, probs, keep, out = residuals
     dt = d_out.transpose(0, 2, 1, 3)  # (B, N, Q, H)
     f32 = jnp.float32
-    dv = jnp.matmul(dropped(probs, keep, rate).astype(dt.dtype).swapaxes(-1, -2), dt, preferred_element_type=f32)
+    dt = row_major(dt)
+    weights_t = row_major(dropped(probs, keep, rate).astype(dt.dtype).swapaxes(-1, -2))  # (B, N, T, Q)
+    dv = jnp.matmul(weights_t, dt, preferred_element_type=f32)
     # The gradient reaching the probabilities through the mask; the identity below holds for the dropped ones.
-    dp = dropped(jnp.matmul(dt, vt.swapaxes(-1, -2), preferred_element_type=f32), keep, rate)  # (B, N, Q, T)
+    dp = dropped(jnp.matmul(dt, row_major(vt.swapaxes(-1, -2)), preferred_element_type=f32), keep, rate)  # (B, N, Q, T)
     row = jnp.sum(dt.astype(f32) * out.astype(f32), axis=-1, keepdims=True)  # (B, N, Q, 1)
     d_logits = probs * (dp - row)  # (B, N, Q, T)
     ds = (d_logits * scale).astype(qt.dtype)
     dq = jnp.matmul(ds, kt, preferred_element_type=f32)
-    dk = jnp.matmul(ds.swapaxes(-1, -2), qt, preferred_element_type=f32)
+    dk = jnp.matmul(row_major(ds.swapaxes(-1, -2)), qt, preferred_element_type=f32)
     back = lambda x, like: x.transpose(0, 2, 1, 3).astype(like.dtype)  # noqa: E731
     # Summed over the bias's broadcast axes; XLA drops it where the bias is a constant (the padding's).
     summed = tuple(i for i, n in enumerate(bias_shape) if n == 1 and d_logits.shape[i] != 1)
@@ -263,9 +266,10 @@ def attend(
     name = choose_attention(requested, jax.default_backend(), key is not None, dtype, q.shape[-1])
     if name == "cudnn" and mask.shape[2] > 1:
         name = "xla"  # a mask per query (packed rows): cudnn_attention describes padding by row lengths only
+    if name in ("custom", "cudnn"):
+        # Projections come out in float32 (their products accumulate in it); the products here run in the
+        # compute dtype.
+        q, k, v = (x.astype(dtype) for x in (q, k, v))
     if name in ("explicit", "custom"):
         return IMPLEMENTATIONS[name](q, k, v, mask, dropout, key, window=window)
-    if name == "cudnn":
-        # Projections come out in float32 (their products accumulate in it); cuDNN runs in the compute dtype.
-        q, k, v = (x.astype(dtype) for x in (q, k, v))
     return IMPLEMENTATIONS[name](q, k, v, mask, window=window)
