@@ -12,6 +12,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
@@ -312,6 +313,24 @@ def test_adamw_decays_matrices_only():
     np.testing.assert_allclose(u["encoder"]["layers"][0]["mlp_in"]["kernel"], -0.5 * 0.1 * kernel, rtol=1e-6)
     assert not np.any(u["encoder"]["layers"][0]["mlp_in"]["bias"])
     assert not np.any(u["encoder"]["layers"][0]["mlp_norm"]["scale"])
+
+
+@pytest.mark.parametrize("scale", [0.01, 10.0])
+def test_clipping_is_the_closed_form_global_norm_clip(scale):
+    from bertforge.train.optim import clip_by_global_norm
+
+    rng = np.random.default_rng(0)
+    grads = {"a": rng.normal(size=(30, 8)) * scale, "b": rng.normal(size=(5,)) * scale}
+    grads = jax.tree.map(lambda g: jax.numpy.asarray(g, jax.numpy.float32), grads)
+    norm = np.sqrt(sum(np.sum(np.asarray(g, np.float64) ** 2) for g in grads.values()))
+    tx = clip_by_global_norm(1.0)
+    clipped, _ = jax.jit(tx.update)(grads, tx.init(grads))
+    factor = min(1.0, 1.0 / norm)  # g * max_norm / ||g|| when the norm is over max_norm, else g
+    assert (factor < 1.0) == (scale == 10.0)
+    for name, g in grads.items():
+        np.testing.assert_allclose(clipped[name], np.asarray(g, np.float64) * factor, rtol=1e-6)
+    # optax's own state, so that checkpoints written with optax's clip restore
+    assert jax.tree.structure(tx.init(grads)) == jax.tree.structure(optax.clip_by_global_norm(1.0).init(grads))
 
 
 def test_resume_from_another_runs_checkpoint_and_never(shards, tmp_path):

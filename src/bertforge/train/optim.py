@@ -12,6 +12,7 @@ import math
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 
 SCHEDULES = ("linear", "polynomial", "cosine", "constant", "wsd")
@@ -126,13 +127,28 @@ def _scale_by_tree(factors: Any) -> optax.GradientTransformation:
     )
 
 
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
+    """optax.clip_by_global_norm as one factor, min(1, max_norm / norm), that multiplies every gradient.
+
+    optax selects between the gradient and its scaled copy; XLA's CPU backend turns that select into a conditional
+    whose branch writes the scaled copy of every gradient (28 ms a step for MiniLM's embedding table on two
+    cores). A factor is elementwise: XLA fuses it into AdamW's update. The state is optax's (empty)."""
+
+    def update(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+        norm = optax.tree.norm(updates)
+        factor = jnp.where(norm < max_norm, 1.0, max_norm / norm)
+        return jax.tree.map(lambda t: t * factor.astype(t.dtype), updates), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
 def make_optimizer(cfg: OptimConfig, params: Any = None, num_layers: int = 0) -> optax.GradientTransformation:
     """clip -> AdamW, with the learning rate an injected hyperparameter set each step; then per-parameter lr
     factors when layer_decay or head_lr ask for them (which needs `params` and `num_layers`)."""
     adamw = optax.inject_hyperparams(optax.adamw, static_args=("mask",))(
         learning_rate=cfg.lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=decay_mask
     )
-    clip = optax.identity() if cfg.clip_norm is None else optax.clip_by_global_norm(cfg.clip_norm)
+    clip = optax.identity() if cfg.clip_norm is None else clip_by_global_norm(cfg.clip_norm)
     if cfg.layer_decay == 1.0 and cfg.head_lr in (None, cfg.lr):
         return optax.chain(clip, adamw)
     if params is None:
