@@ -14,6 +14,7 @@ excerpts of 158-314 tokens: give --data).
     .venv/bin/python benchmarks/finetune_profile.py --task docstrings
     .venv/bin/python benchmarks/finetune_profile.py --task sentences
     .venv/bin/python benchmarks/finetune_profile.py --task commonlit --data data/commonlit/train.csv
+    .venv/bin/python benchmarks/finetune_profile.py --task sentences --dtype bfloat16   # bf16 compute
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def _minilm() -> str:
 def flags(args: argparse.Namespace) -> list[str]:
     """`bertforge finetune` as a user runs it on the task: CommonLit's shipped config, fold 0."""
     common = ["--config", str(CONFIG), "--model", args.model, "--data", args.data, "--out", args.out, "--fold", "0",
-              f"--train.epochs={args.epochs}"]  # fmt: skip
+              f"--train.epochs={args.epochs}", f"--train.dtype={args.dtype}"]  # fmt: skip
     if args.task == "commonlit":
         return common
     return [*common, "--text-column", "text", "--target-column", "module", "--task", "classification",
@@ -139,6 +140,7 @@ def main() -> None:
     p.add_argument("--data", help="the CommonLit train.csv (commonlit)")
     p.add_argument("--epochs", type=float, default=3.0)
     p.add_argument("--model", default=None, help="default: the shipped all-MiniLM-L6-v2")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="compute dtype (train.dtype)")
     p.add_argument("--work", default=str(ROOT / "runs/bench-finetune-profile"))
     p.add_argument("--name", default=None, help="results/<name>.md (default: finetune_profile_<task>)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -160,7 +162,7 @@ def main() -> None:
     out = work / f"run-{args.task}"
     subprocess.run(["rm", "-rf", str(out)], check=True)
     cmd = [sys.executable, __file__, "--worker", "--task", args.task, "--data", args.data, "--epochs",
-           str(args.epochs), "--model", args.model, "--out", str(out)]  # fmt: skip
+           str(args.epochs), "--model", args.model, "--out", str(out), "--dtype", args.dtype]  # fmt: skip
     # The allocator settings the command gives itself at start-up (bertforge.allocator), since the worker runs the
     # command's code in-process rather than through its entry point.
     env = tuned_environment(os.environ) or dict(os.environ)
@@ -181,8 +183,10 @@ def report(found: dict, args: argparse.Namespace) -> None:
         bars.append((phase, seconds, "C7" if phase.startswith("of the") else "C0"))
     lines.append(f"| **wall time of the process** | **{wall:.1f}** | 100% |")
     lines += ["", f"{found['steps']} training steps; fold-0 {found['metric']} {found['score']:.4f}."]
-    title = f"bertforge finetune, {args.task}, all-MiniLM-L6-v2, {args.epochs:g} epochs, fold 0: where the time goes"
-    save(args.name or f"finetune_profile_{args.task}", title, "\n".join(lines), rows, bars, "seconds")
+    title = f"bertforge finetune, {args.task}, all-MiniLM-L6-v2, {args.epochs:g} epochs, {args.dtype}, fold 0"
+    title += ": where the time goes"
+    name = args.name or f"finetune_profile_{args.task}" + ("" if args.dtype == "float32" else "_bf16")
+    save(name, title, "\n".join(lines), rows, bars, "seconds")
 
 
 if __name__ == "__main__":

