@@ -124,3 +124,37 @@ def test_bf16_training_step_products_stay_bf16_on_cpu():
     rows = [d for d in dots if 1 not in (int(n) for n in d[2][1:-1].split(","))]
     assert len(rows) >= 3 * 12 + 6
     assert [d for d in rows if d[:2] != ("bf16", "bf16")] == []
+
+
+def test_bf16_fine_tuning_step_on_8_devices_follows_1_device():
+    # data 2 x fsdp 4: sharded kernels and a split batch through the bf16 products' own backward and row-major
+    # copies. The float32 sums run in another order, so the updates agree to float32's precision, not to the bit.
+    from bertforge.parallel import make_mesh, param_shardings
+    from bertforge.train.optim import OptimConfig, make_optimizer
+    from bertforge.train.sequence_step import SequenceStepConfig, compile_train_step
+    from bertforge.train.step import new_train_state
+
+    cfg = preset("test", hidden_dropout=0.0, attention_dropout=0.0, dtype="bfloat16")
+    rng = np.random.default_rng(3)
+    mask = (np.arange(16)[None, :] < rng.integers(4, 17, (8, 1))).astype(np.int32)  # (B, T)
+    batch = {
+        "input_ids": np.where(mask, rng.integers(5, 900, (8, 16)), 0).astype(np.int32),
+        "attention_mask": mask,
+        "token_type_ids": np.zeros((8, 16), np.int32),
+        "targets": rng.normal(size=(8, 1)).astype(np.float32),
+        "weight": np.ones(8, np.float32),
+    }
+    updates = []
+    for mesh in (make_mesh(devices=jax.devices()[:1]), make_mesh(data=2, fsdp=4)):
+        model = build(cfg, "sequence", num_labels=1, seed=1)
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        start = jax.device_get(nnx.to_pure_dict(params))
+        tx = make_optimizer(OptimConfig(lr=1e-3), params, cfg.num_layers)
+        state = new_train_state(jax.device_put(params, param_shardings(model, mesh)), tx, mesh)
+        shardings = jax.tree.map(lambda x: x.sharding, state)
+        step = compile_train_step(graphdef, rest, tx, SequenceStepConfig("mse"), shardings)
+        state, _ = step(state, batch, jnp.float32(1e-3), jax.random.key(0))
+        end = jax.device_get(nnx.to_pure_dict(state.params))
+        updates.append(jax.tree.leaves(jax.tree.map(lambda a, b: np.asarray(a) - np.asarray(b), end, start)))
+    for one, eight in zip(*updates, strict=True):
+        assert np.linalg.norm(one - eight) <= 1e-5 * np.linalg.norm(one) + 1e-12
