@@ -111,9 +111,8 @@ def _attention_fwd(q, k, v, bias, key, window, rate, scale, bias_shape):
 
 def _attention_bwd(window, rate, scale, bias_shape, residuals, d_out):
     qt, kt, vt, probs, keep, out = residuals
-    dt = d_out.transpose(0, 2, 1, 3)  # (B, N, Q, H)
+    dt = row_major(d_out.transpose(0, 2, 1, 3))  # (B, N, Q, H)
     f32 = jnp.float32
-    dt = row_major(dt)
     weights_t = row_major(dropped(probs, keep, rate).astype(dt.dtype).swapaxes(-1, -2))  # (B, N, T, Q)
     dv = jnp.matmul(weights_t, dt, preferred_element_type=f32)
     # The gradient reaching the probabilities through the mask; the identity below holds for the dropped ones.
