@@ -65,16 +65,16 @@ def test_mixed_matmul_is_plain_autodiff_up_to_the_cotangent_rounding():
     np.testing.assert_allclose(np.asarray(ours[1]), np.asarray(theirs[1]), rtol=2**-8)
 
 
-def _loss_and_grads(cfg, ids, mask):
+def _loss_and_state(cfg, ids, mask):
     model = build(cfg, head="sequence", num_labels=16)
     model.eval()  # no dropout: the same function in both precisions
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
-    def loss(params, rest=rest):
+    def loss(params, rest):
         logits = nnx.merge(graphdef, params, rest)(ids, mask)  # (B, labels)
         return jnp.mean(jax.nn.log_softmax(logits)[:, 3])
 
-    return loss, params
+    return loss, params, rest
 
 
 def _model_inputs(b: int = 4, t: int = 32):
@@ -88,8 +88,8 @@ def test_bf16_model_gradients_stay_close_to_float32():
     ids, mask = _model_inputs()
     grads = {}
     for dtype in ("float32", "bfloat16"):
-        loss, params = _loss_and_grads(dataclasses.replace(cfg, dtype=dtype), ids, mask)
-        grads[dtype] = jax.tree.leaves(jax.jit(jax.grad(loss))(params, loss.__defaults__[0]))
+        loss, params, rest = _loss_and_state(dataclasses.replace(cfg, dtype=dtype), ids, mask)
+        grads[dtype] = jax.tree.leaves(jax.jit(jax.grad(loss))(params, rest))
     checked = 0
     for a, b in zip(grads["float32"], grads["bfloat16"], strict=True):
         assert b.dtype == jnp.float32
@@ -114,8 +114,7 @@ def _dot_operand_types(hlo: str) -> list[tuple[str, str, str]]:
 def test_bf16_training_step_products_stay_bf16_on_cpu():
     cfg = dataclasses.replace(preset("test", hidden_size=64, num_heads=4, intermediate_size=128), dtype="bfloat16")
     ids, mask = _model_inputs()
-    loss, params = _loss_and_grads(cfg, ids, mask)
-    rest = loss.__defaults__[0]
+    loss, params, rest = _loss_and_state(cfg, ids, mask)
     hlo = jax.jit(jax.grad(loss)).lower(params, rest).compile().as_text()
     dots = _dot_operand_types(hlo)
     # The [CLS]-only last layer's attention has one query row: XLA's fast kernels take no vectors, so those
