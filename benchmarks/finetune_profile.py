@@ -165,7 +165,7 @@ def main() -> None:
            str(args.epochs), "--model", args.model, "--out", str(out), "--dtype", args.dtype]  # fmt: skip
     # The allocator settings the command gives itself at start-up (bertforge.allocator), since the worker runs the
     # command's code in-process rather than through its entry point.
-    env = tuned_environment(os.environ) or dict(os.environ)
+    env = tuned_environment(os.environ, command="finetune") or dict(os.environ)
     done = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
     found = json.loads(done.stdout.strip().splitlines()[-1])
     report(found, args)

@@ -216,7 +216,7 @@ def main() -> None:
         env.update(JAX_PLATFORMS="cpu", CUDA_VISIBLE_DEVICES="")
     torch_env = dict(env, JAX_PLATFORMS="cpu")
     # On a CPU every bertforge command runs with its allocator tunables (allocator.py); its step here does too.
-    env = tuned_environment(env) or env
+    env = tuned_environment(env, command="finetune") or env
     rows = []
     for arch in args.archs:
         for name, impl, kw in variants(args.device):

@@ -392,7 +392,7 @@ def entry() -> None:
     """The installed `bertforge` command and `python -m bertforge.cli`: the process-wide settings, then main."""
     from bertforge.allocator import rerun_with_tuned_allocator
 
-    rerun_with_tuned_allocator()
+    rerun_with_tuned_allocator(sys.argv[1] if len(sys.argv) > 1 else None)
     sys.exit(main())
 
 
