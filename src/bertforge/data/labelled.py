@@ -27,6 +27,9 @@ class DataConfig:
     truncation: Truncation = "head"
     bucket: int = 8  # padded lengths are multiples of this; 0 pads every batch to max_length
     shapes: int = 6  # at most this many padded lengths, chosen from the training texts; 0: every multiple of bucket
+    # Training batches per pool of shuffled rows sorted by length (batching.epoch_batches): a batch holds texts of
+    # similar length. 1: plain random batches, each still padded to the shortest length that holds it.
+    pool: int = 16
     quoted_tsv: bool = False  # .tsv tables written with CSV quoting; by default a TSV has none and '"' is text
 
     def __post_init__(self) -> None:
@@ -34,8 +37,8 @@ class DataConfig:
             raise ValueError(f"truncation {self.truncation!r} is not one of {', '.join(TRUNCATIONS)}")
         if not self.target_columns:
             raise ValueError("target_columns is empty")
-        if self.max_length < 2 or self.bucket < 0 or self.shapes < 0:
-            raise ValueError("max_length must be at least 2, bucket and shapes at least 0")
+        if self.max_length < 2 or self.bucket < 0 or self.shapes < 0 or self.pool < 1:
+            raise ValueError("max_length must be at least 2, bucket and shapes at least 0, pool at least 1")
 
 
 @dataclasses.dataclass

@@ -114,7 +114,7 @@ def _ladder(encs: list, cfg: FinetuneConfig, limit: int) -> tuple[int, ...]:
     """The padded lengths every fold uses, chosen from the longest text of each batch of a first epoch over the
     whole table (a fold's batches are alike), so that the folds share their compiled programs."""
     lengths = np.array([len(e.ids) for e in encs])
-    plan = epoch_batches(lengths, cfg.train.batch_size, max(cfg.data.bucket, 1), cfg.train.seed, 0)
+    plan = epoch_batches(lengths, cfg.train.batch_size, max(cfg.data.bucket, 1), cfg.train.seed, 0, cfg.data.pool)
     maxima = np.array([lengths[rows].max() for rows in plan])
     return ladder(maxima, limit, cfg.data.bucket, cfg.data.shapes)
 
@@ -150,6 +150,7 @@ def _job(cfg: FinetuneConfig, run_dir: Path, pre: Pretrained, table: Table, vali
         loss=loss,
         metric=cfg.head.metric or DEFAULT_METRIC[cfg.head.task],
         bucket=cfg.data.bucket,
+        pool=cfg.data.pool,
         limit=limit,
         pre=pre,
         table=table,

@@ -68,6 +68,7 @@ class Job:
     loss: str
     metric: str
     bucket: int  # padded lengths are multiples of this
+    pool: int  # batches per pool of rows sorted by length; 1: random batches
     rungs: tuple[int, ...]  # the padded lengths (data.shapes of them at most); () for every multiple of bucket
     limit: int  # tokens per text
     pre: Pretrained  # the tokenizer and label names go with every fold's model
@@ -165,7 +166,7 @@ def train_fold(job: Job, fold: int, train_rows: np.ndarray, valid_rows: np.ndarr
         cursor[0] += 1
         if epoch not in plans:
             plans.clear()
-            plans[epoch] = epoch_batches(lengths, size, job.bucket, train.seed, epoch)
+            plans[epoch] = epoch_batches(lengths, size, job.bucket, train.seed, epoch, job.pool)
         local = plans[epoch][i]
         length = padded_length(int(lengths[local].max()), job.limit, job.bucket, job.rungs)
         batch = _batch(job, train_rows[local], length)
