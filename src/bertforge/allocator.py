@@ -11,7 +11,7 @@ keeps the same step time either way. glibc reads these tunables only when a proc
 (`mmap_max=0`). XLA runs its programs on worker threads, which glibc gives heaps of their own of at most 64 MiB, and
 glibc unmaps such a heap whenever it is left empty, whatever the trim threshold: a fine-tuning step then faults in
 its temporaries again, as do buffers over the 32 MiB the mmap threshold can reach (an attention's probabilities at
-16 x 12 x 224 x 224 float32 are 38.5 MiB). With both, MiniLM's step on CommonLit (16 x 192-256 tokens, bf16, 2
+16 x 12 x 224 x 224 float32 are 37 MiB). With both, MiniLM's step on CommonLit (16 x 192-256 tokens, bf16, 2
 cores) took about 0.6 s against 0.75-1.0 s, the training steps of a short-text run 12% less time, and the kernel's
 share of the CPU time fell from about a quarter to a twentieth. Pretraining gained nothing from them and its peak
 memory doubled, so only fine-tuning gets them; compiling takes longer under one heap (LLVM's threads share its lock).

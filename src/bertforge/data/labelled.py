@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from bertforge.data import tabular
+from bertforge.data.batching import POOL
 from bertforge.errors import UserError
 from bertforge.tokenizer import TRUNCATIONS, Truncation
 
@@ -29,7 +30,7 @@ class DataConfig:
     shapes: int = 6  # at most this many padded lengths, chosen from the training texts; 0: every multiple of bucket
     # Training batches per pool of shuffled rows sorted by length (batching.epoch_batches): a batch holds texts of
     # similar length. 1: plain random batches, each still padded to the shortest length that holds it.
-    pool: int = 16
+    pool: int = POOL
     quoted_tsv: bool = False  # .tsv tables written with CSV quoting; by default a TSV has none and '"' is text
 
     def __post_init__(self) -> None:
