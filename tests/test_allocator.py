@@ -86,7 +86,7 @@ def test_finetune_adds_its_own_and_stops_rerunning_once_they_are_set():
 # A jitted program whose temporaries are an attention's (16, 12, 256, 256) float32 scores and probabilities (48 MiB
 # each, over glibc's largest mmap threshold), run on XLA's worker threads: the page faults of one call, once warm.
 FAULTS_SCRIPT = """
-import os, resource, sys
+import resource, sys
 from bertforge.allocator import rerun_with_tuned_allocator
 rerun_with_tuned_allocator(sys.argv[1])
 import jax, jax.numpy as jnp

@@ -198,7 +198,7 @@ def test_epoch_batches_cover_every_row_once_group_lengths_and_start_with_the_lon
     assert len(first & second) < 0.5 * len(first)
 
 
-def test_a_pool_of_one_batch_gives_the_random_batches_padded_to_their_own_longest_text():
+def test_a_pool_of_one_batch_gives_the_random_batches_longest_first():
     lengths = np.random.default_rng(1).integers(10, 250, size=1003)
     random = epoch_batches(lengths, 16, 0, seed=5, epoch=2)  # bucket 0: plain random batches
     pooled = epoch_batches(lengths, 16, 32, seed=5, epoch=2, pool=1)
