@@ -21,6 +21,11 @@ the head's initialisation change; the folds do not) and the table gives the mean
     .venv/bin/python benchmarks/finetune_end_to_end.py --task commonlit --data ... --render   # redraw saved results
     python benchmarks/finetune_end_to_end.py --task commonlit --data ... --device gpu --bf16   # GPU, bf16 both sides
     .venv/bin/python benchmarks/finetune_end_to_end.py --task sentences --seeds 0 1 2 --sparse-embeddings   # a third
+    .venv/bin/python benchmarks/finetune_end_to_end.py --task sentences --seeds 0 1 2 --cold-cache
+
+bertforge keeps the programs it compiles in a per-user cache (compile_cache.py), so a command run again, another
+seed or fold, skips most compilation. By default the runs share that cache as a user's runs would (the first
+seed's run may fill it); `--cold-cache` gives each bertforge run an empty one, the cost of a first run.
 
 `--bf16` runs bertforge with bfloat16 compute over float32 parameters (train.dtype) and the Trainer with bf16
 autocast (bf16=True); `--device gpu` lets the Trainer use the GPU (bertforge takes JAX's default device).
@@ -85,8 +90,13 @@ def _bertforge(args: argparse.Namespace, out: Path, padded: bool, sparse: bool =
     cmd += ["--data.bucket=0"] if padded else []
     cmd += ["--train.sparse_embeddings=true"] if sparse else []
     cmd += ["--train.dtype=bfloat16"] if args.bf16 else []
+    env = dict(os.environ)
+    if args.cold_cache:  # a first run: an empty compile cache of its own, so every program is compiled
+        cache = out.parent / f"{out.name}-compile-cache"
+        shutil.rmtree(cache, ignore_errors=True)
+        env["BERTFORGE_COMPILE_CACHE"] = str(cache)
     start = time.perf_counter()
-    subprocess.run(cmd, check=True)
+    subprocess.run(cmd, check=True, env=env)
     wall = time.perf_counter() - start
     summary = json.loads((out / "summary.json").read_text())
     records = [json.loads(line) for line in (out / f"fold-{args.fold}" / "metrics.jsonl").read_text().splitlines()]
@@ -245,6 +255,9 @@ def main() -> None:
     p.add_argument("--render", action="store_true", help="only redraw the table and plot from the saved results")
     p.add_argument("--keep", action="store_true", help="add to the saved results, replacing only the seeds run now")
     p.add_argument("--sparse-embeddings", action="store_true", help="also bertforge with train.sparse_embeddings")
+    p.add_argument(
+        "--cold-cache", action="store_true", help="bertforge with an empty compile cache each run (a first run)"
+    )
     args = p.parse_args()
     task = TASKS[args.task]
     args.model = args.model or _minilm()
@@ -263,6 +276,7 @@ def main() -> None:
     name += "" if args.max_length == task.max_length else f"_{args.max_length}"
     name += ("_bf16" if args.bf16 else "") + ("_gpu" if args.device == "gpu" else "")
     name += "_sparse" if args.sparse_embeddings else ""
+    name += "_cold" if args.cold_cache else ""
     if args.render:
         from report import RESULTS
 
@@ -378,6 +392,7 @@ def _report(args: argparse.Namespace, name: str, rows: list[dict]) -> None:
         where = f"one {gpu.stdout.strip().splitlines()[0]}" if gpu.returncode == 0 and gpu.stdout.strip() else "GPU"
     if args.bf16:
         where += ", bf16"
+    where += ", bertforge's compile cache " + ("empty at each run" if args.cold_cache else "as the runs left it")
     label = {"commonlit": "CommonLit", "sentences": "Docstring first sentences"}[args.task]
     title = (
         f"{label} fold {args.fold}, all-MiniLM-L6-v2, max length {args.max_length}, batch "
