@@ -158,14 +158,16 @@ def main() -> None:
     elif not args.data:
         p.error("--task commonlit needs --data")
     from bertforge.allocator import tuned_environment
+    from bertforge.xla_options import tuned_xla_flags
 
     out = work / f"run-{args.task}"
     subprocess.run(["rm", "-rf", str(out)], check=True)
     cmd = [sys.executable, __file__, "--worker", "--task", args.task, "--data", args.data, "--epochs",
            str(args.epochs), "--model", args.model, "--out", str(out), "--dtype", args.dtype]  # fmt: skip
-    # The allocator settings the command gives itself at start-up (bertforge.allocator), since the worker runs the
-    # command's code in-process rather than through its entry point.
+    # The allocator settings and XLA options the command gives itself at start-up (bertforge.allocator,
+    # bertforge.xla_options), since the worker runs the command's code in-process rather than through its entry point.
     env = tuned_environment(os.environ, command="finetune") or dict(os.environ)
+    env["XLA_FLAGS"] = tuned_xla_flags(env, "finetune") or env.get("XLA_FLAGS", "")
     done = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
     found = json.loads(done.stdout.strip().splitlines()[-1])
     report(found, args)

@@ -121,6 +121,33 @@ def test_out_of_memory_at_the_first_step_names_the_knobs():
         )
 
 
+@pytest.mark.parametrize(
+    ("steps", "every", "offset", "expected"),
+    [
+        (10, 4, 0, [4, 8, 10]),  # every 4th step, and the last
+        (10, 4, 10 % 4, [6, 10]),  # counted back from the last step: nothing a few steps before it
+        (3, 4, 3 % 4, [3]),  # fewer steps than `every`: only the last
+        (12, 4, 12 % 4, [4, 8, 12]),
+    ],
+)
+def test_periodic_work_falls_on_the_steps_offset_plus_multiples(steps, every, offset, expected):
+    from bertforge.train import loop
+
+    evaluated, saved = [], []
+    loop.run(
+        None,
+        lambda state, batch, lr: (state, {"finite": True, "loss": 1.0}),
+        next_batch=lambda _: None,
+        lr_at=lambda p: 1.0,
+        budget=loop.Budget(max_steps=steps),
+        log=lambda s, m: None,
+        log_every=5,
+        evaluate=loop.Every(every, lambda step, state: evaluated.append(step), offset=offset),
+        checkpoint=loop.Every(every, lambda step, state, evaluation: saved.append(step), offset=offset),
+    )
+    assert evaluated == saved == expected
+
+
 def test_with_a_shared_clock_a_time_budget_ends_alike_whatever_the_local_clock():
     # As the processes of one run see it: their own clocks run apart, and process 0's is shared at each log boundary.
     from bertforge.train import loop

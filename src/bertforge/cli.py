@@ -108,8 +108,7 @@ def _fill_mask(cfg: Any, args: argparse.Namespace) -> int:
 def _predict(cfg: Any, args: argparse.Namespace) -> int:
     from bertforge.tasks.infer import predict_main
 
-    outputs = predict_main(cfg)
-    print(f"wrote {len(outputs)} predictions -> {cfg.out}")
+    print(f"wrote {len(predict_main(cfg))} predictions -> {cfg.out}")
     return 0
 
 
@@ -323,9 +322,8 @@ def _named(argv: Sequence[str]) -> set[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    reconfigure = getattr(sys.stdout, "reconfigure", None)
-    if reconfigure is not None:
-        reconfigure(line_buffering=True)  # lines show as they come when stdout is a file or a pipe
+    # Lines show as they come when stdout is a file or a pipe.
+    getattr(sys.stdout, "reconfigure", lambda **_: None)(line_buffering=True)
     if _named(argv):
         _compile_once()  # before the stage's module imports JAX: the processes it starts inherit the settings
     leave_at_once = False
@@ -390,9 +388,11 @@ def _in_multiprocess_run() -> bool:
 
 def entry() -> None:
     """The installed `bertforge` command and `python -m bertforge.cli`: the process-wide settings, then main."""
-    from bertforge.allocator import rerun_with_tuned_allocator
+    from bertforge import allocator, xla_options
 
-    rerun_with_tuned_allocator(sys.argv[1] if len(sys.argv) > 1 else None)
+    command = sys.argv[1] if len(sys.argv) > 1 else None
+    allocator.rerun_with_tuned_allocator(command)
+    xla_options.set_xla_flags(command)  # after the re-run: the settings of the process that goes on
     sys.exit(main())
 
 

@@ -183,15 +183,21 @@ def train_fold(job: Job, fold: int, train_rows: np.ndarray, valid_rows: np.ndarr
     log = MetricsLog(fold_dir, job.log, steps, start_step, job.config)
     sign = -1.0 if metrics.HIGHER_IS_BETTER[job.metric] else 1.0  # checkpoints keep the lowest
 
+    evaluated: dict[int, np.ndarray] = {}  # step -> validation outputs: the best step's are the fold's outputs
+
     def evaluate(step: int, state: TrainState) -> dict[str, float]:
         began = time.perf_counter()
-        found = {f"valid_{k}": v for k, v in scores(job, outputs_of(state.params), valid_targets).items()}
+        evaluated[step] = outputs_of(state.params)
+        found = {f"valid_{k}": v for k, v in scores(job, evaluated[step], valid_targets).items()}
         return {**found, "eval_seconds": time.perf_counter() - began}
 
     def save(step: int, state: TrainState, evaluation: dict[str, float] | None) -> None:
         meta = {"elapsed": time.perf_counter() - started + elapsed, "step": step}
         score = None if evaluation is None else sign * evaluation[f"valid_{job.metric}"]
         checkpoints.save(step, state, meta, valid_loss=score)
+        kept = {*checkpoints.all_steps(), step}
+        for gone in [s for s in evaluated if s not in kept]:
+            del evaluated[gone]  # its checkpoint is gone: it can no longer be the best
         if job.hub.repo and (step // every) % job.hub.every == 0:
             params = fetch(state.params)  # every process takes part when the parameters are split over hosts
             if job.publisher is not None:
@@ -219,19 +225,22 @@ def train_fold(job: Job, fold: int, train_rows: np.ndarray, valid_rows: np.ndarr
             ),
             log_every=job.log.every,
             start_step=start_step,
-            evaluate=loop.Every(every, evaluate),
-            checkpoint=loop.Every(every, save),
+            # Counted back from the last step, so that the last evaluation is of the final model, with none just
+            # before it (a few steps earlier) to pay for.
+            evaluate=loop.Every(every, evaluate, offset=steps % every),
+            checkpoint=loop.Every(every, save, offset=steps % every),
             preemptible=True,
         )
         checkpoints.wait()
         best = checkpoints.best_step() or checkpoints.latest_step()
-        state, _ = checkpoints.restore(best, state)
+        if best != int(state.step):
+            state, _ = checkpoints.restore(best, state)
     except loop.NonFiniteLoss as e:
         raise UserError(f"fold {fold}: {e}; lower optim.lr or set optim.clip_norm") from None
     finally:
         log.close()
         checkpoints.close()
-    outputs = outputs_of(state.params)
+    outputs = evaluated[best] if best in evaluated else outputs_of(state.params)  # else: evaluated before a resume
     found = scores(job, outputs, valid_targets)
     params = fetch(state.params)  # every process takes part when the parameters are split over hosts
     if jax.process_index() == 0:

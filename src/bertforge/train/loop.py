@@ -28,7 +28,8 @@ class Preempted(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class Every:
-    """`fn` after every `steps`-th step, and after the last step when that is not one of them (unless not `at_end`).
+    """`fn` after steps offset + k * steps (k >= 1), and after the last step when that is not one of them (unless
+    not `at_end`). An offset of (last step) % steps puts the last of them on the last step, with none after it.
 
     As `evaluate`, fn(step, state) returns metrics to log, or None; as `checkpoint`, fn(step, state, evaluation)
     gets the metrics of the evaluation done after the same step, or None.
@@ -37,6 +38,10 @@ class Every:
     steps: int
     fn: Callable[..., Any]
     at_end: bool = True
+    offset: int = 0
+
+    def due(self, step: int) -> bool:
+        return step >= self.steps and (step - self.offset) % self.steps == 0
 
 
 @dataclasses.dataclass
@@ -181,7 +186,7 @@ def run(
             pending.append(metrics)
             boundary = step % log_every == 0 or budget.done(step, budget_elapsed())
             stopping = stop_flag is not None and stop_flag.stop_after(step)
-            if boundary or stopping or any(step % e.steps == 0 for e in periodic):
+            if boundary or stopping or any(e.due(step) for e in periodic):
                 _check_finite(pending, step)
             if boundary:
                 fetched = jax.device_get(pending)
@@ -199,13 +204,13 @@ def run(
                 if clock is not None:
                     agreed = clock(time.perf_counter() - start)
             roles_start = time.perf_counter()  # the steps are done: _check_finite above waited for them
-            roles(step, state, lambda e, step=step: step % e.steps == 0, save_anyway=stopping)
+            roles(step, state, lambda e, step=step: e.due(step), save_anyway=stopping)
             window_paused += time.perf_counter() - roles_start
             if stopping:
                 raise Preempted(f"stopped by signal {stop_flag.signal} at step {step}")
 
         def at_end(e: Every) -> bool:
-            return e.at_end and step % e.steps != 0 and (e is not checkpoint or step != start_step)
+            return e.at_end and not e.due(step) and (e is not checkpoint or step != start_step)
 
         roles(step, state, at_end)
     return state, step, time.perf_counter() - start
