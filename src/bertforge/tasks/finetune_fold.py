@@ -4,6 +4,7 @@ times an epoch, keep the best checkpoint, and leave FOLD/model (a Hugging Face f
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import shutil
 import time
@@ -133,8 +134,14 @@ def scores(job: Job, outputs: np.ndarray, targets: np.ndarray) -> dict[str, floa
         found = metrics.classification(outputs, targets)
     else:
         found = metrics.multilabel(outputs, targets)
-    found["loss"] = float(jnp.mean(LOSSES[job.loss](jnp.asarray(outputs), jnp.asarray(targets))))
+    found["loss"] = float(_mean_loss(outputs, targets, job.loss))
     return found
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _mean_loss(outputs: jax.Array, targets: jax.Array, loss: str) -> jax.Array:
+    # One program: run op by op, the loss would compile a dozen (about 1 s on a first run).
+    return jnp.mean(LOSSES[loss](outputs, targets))
 
 
 def train_fold(job: Job, fold: int, train_rows: np.ndarray, valid_rows: np.ndarray, resume: str) -> dict[str, Any]:

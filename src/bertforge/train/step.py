@@ -145,6 +145,9 @@ def _masked_batch(key: jax.Array, ids: jax.Array, cfg: StepConfig) -> tuple[jax.
 
 def accumulate(grad_fn: Any, params: Any, xs: Any) -> tuple[Any, Any]:
     """Sum grad_fn(params, x) -> (aux, grads) over the leading axis of xs (the micro-batches): (grads, aux sums)."""
+    if jax.tree.leaves(xs)[0].shape[0] == 1:  # no loop: tracing the model once, not twice (eval_shape and scan)
+        aux, grads = grad_fn(params, jax.tree.map(lambda a: a[0], xs))
+        return grads, aux
 
     def micro(carry: tuple, x: Any) -> tuple[tuple, None]:
         aux, grads = grad_fn(params, x)
