@@ -145,15 +145,16 @@ def _masked_batch(key: jax.Array, ids: jax.Array, cfg: StepConfig) -> tuple[jax.
 
 def accumulate(grad_fn: Any, params: Any, xs: Any) -> tuple[Any, Any]:
     """Sum grad_fn(params, x) -> (aux, grads) over the leading axis of xs (the micro-batches): (grads, aux sums)."""
+    first = jax.tree.map(lambda a: a[0], xs)
     if jax.tree.leaves(xs)[0].shape[0] == 1:  # no loop: tracing the model once, not twice (eval_shape and scan)
-        aux, grads = grad_fn(params, jax.tree.map(lambda a: a[0], xs))
+        aux, grads = grad_fn(params, first)
         return grads, aux
 
     def micro(carry: tuple, x: Any) -> tuple[tuple, None]:
         aux, grads = grad_fn(params, x)
         return jax.tree.map(jnp.add, carry, (grads, aux)), None
 
-    shapes = jax.eval_shape(grad_fn, params, jax.tree.map(lambda a: a[0], xs))
+    shapes = jax.eval_shape(grad_fn, params, first)
     zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), (shapes[1], shapes[0]))
     (grads, aux), _ = jax.lax.scan(micro, zeros, xs)
     return grads, aux
