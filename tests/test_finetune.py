@@ -246,6 +246,41 @@ def test_loss_is_the_weighted_mean_over_real_rows_and_accumulation_gives_the_ful
         assert max(jax.tree.leaves(diff)) < 1e-5
 
 
+def test_dropout_keys_drawn_in_their_own_program_give_the_gradients_of_pretrainings_dropout():
+    # The fine-tuning step draws its dropout keys apart from the gradients' program (compiled once, not per
+    # length). Reference: jax.grad of the loss with the model keyed as pretraining keys it, with_dropout_key(rest,
+    # k) for micro-batch k of split(fold_in(key, step), A), summed over the 2 micro-batches.
+    from bertforge.train.sequence_step import dropout_keys, gradients
+    from bertforge.train.step import micro_batches, with_dropout_key
+
+    cfg = preset("test", hidden_dropout=0.2, attention_dropout=0.2)
+    model = build(cfg, "sequence", num_labels=1, seed=1)
+    model.train()
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    batch = {k: jnp.asarray(v) for k, v in _batch(np.random.default_rng(0), 8, 16, real=8).items()}
+    step, key = jnp.int32(3), jax.random.key(11)
+
+    def loss(params, b, k):
+        out = nnx.merge(graphdef, params, with_dropout_key(rest, k))(
+            b["input_ids"], b["attention_mask"], b["token_type_ids"]
+        )
+        return jnp.sum(b["weight"] * (out[:, 0] - b["targets"][:, 0]) ** 2) / 8
+
+    micro = {k: micro_batches(v, 2) for k, v in batch.items()}
+    ks = jax.random.split(jax.random.fold_in(key, step), 2)
+    per_micro = [jax.grad(loss)(params, {k: v[a] for k, v in micro.items()}, ks[a]) for a in range(2)]
+    expected = jax.tree.map(jnp.add, *per_micro)
+    cfg2 = SequenceStepConfig("mse", grad_accum=2)
+    ours, _, _ = jax.jit(functools.partial(gradients, graphdef, rest, cfg=cfg2))(
+        params, jax.jit(functools.partial(dropout_keys, rest, grad_accum=2))(step, key), batch
+    )
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), ours, expected)
+    # and dropout is on: another step's keys give other gradients
+    other, _, _ = gradients(graphdef, rest, params, dropout_keys(rest, step + 1, key, 2), batch, cfg2)
+    moved = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), other, ours)
+    assert max(jax.tree.leaves(moved)) > 1e-4
+
+
 @pytest.mark.parametrize("sparse", [False, True], ids=["adamw", "sparse_embeddings"])
 def test_three_steps_equal_adamw_written_out_and_sparse_embeddings_leave_untouched_rows_alone(sparse):
     # AdamW with global-norm clipping and decoupled decay, written out in numpy over gradients from jax.grad of the

@@ -127,19 +127,24 @@ def _scale_by_tree(factors: Any) -> optax.GradientTransformation:
     )
 
 
-def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArgs:
     """optax.clip_by_global_norm as one factor, min(1, max_norm / norm), that multiplies every gradient.
 
     optax divides every gradient by the norm, elementwise, inside a select; XLA's CPU backend writes that divided
     copy of every gradient to memory before AdamW reads it (28 ms a step for MiniLM's embedding table on two
-    cores). A multiplication by one scalar fuses into AdamW's update instead. The state is optax's (empty)."""
+    cores). A multiplication by one scalar fuses into AdamW's update instead. The state is optax's (empty).
 
-    def update(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
-        norm = optax.tree.norm(updates)
+    `grad_norm`, when the caller has the gradients' norm already (the step checks it is finite), is used instead
+    of reading every gradient again: 1.5-2 ms of MiniLM's 20 ms update on two cores."""
+
+    def update(
+        updates: Any, state: Any, params: Any = None, *, grad_norm: jax.Array | None = None, **extra: Any
+    ) -> tuple[Any, Any]:
+        norm = optax.tree.norm(updates) if grad_norm is None else grad_norm
         factor = jnp.where(norm < max_norm, 1.0, max_norm / norm)
         return jax.tree.map(lambda t: t * factor.astype(t.dtype), updates), state
 
-    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+    return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update)
 
 
 def make_optimizer(cfg: OptimConfig, params: Any = None, num_layers: int = 0) -> optax.GradientTransformation:

@@ -24,7 +24,7 @@ import optax
 from flax import nnx
 
 from bertforge.train.optim import param_names
-from bertforge.train.step import TrainState, accumulate, apply_update, micro_batches, with_dropout_key
+from bertforge.train.step import TrainState, accumulate, apply_update, micro_batches, stream_keys, with_stream_keys
 
 LossFn = Callable[[jax.Array, jax.Array], jax.Array]  # (outputs (B, L), targets) -> per-row loss (B,)
 LOSSES: dict[str, LossFn] = {}
@@ -117,25 +117,30 @@ def put_rows(full: Any, part: Any, rows: jax.Array) -> Any:
     return _on_table(lambda t, p: t.at[rows].set(p, mode="drop"), full, part)
 
 
+def dropout_keys(rest: Any, step: jax.Array, key: jax.Array, grad_accum: int) -> tuple[jax.Array, ...]:
+    """The key of each of the model's random streams for the update numbered `step`, for each micro-batch: (A,)
+    each. The same keys as pretraining's with_dropout_key(rest, k), k the micro-batch's key."""
+    keys = jax.random.split(jax.random.fold_in(key, step), grad_accum)
+    return jax.vmap(lambda k: stream_keys(rest, k))(keys)
+
+
 def gradients(
     graphdef: Any,
     rest: Any,
     params: Any,
-    step: jax.Array,
+    keys: tuple[jax.Array, ...],
     batch: dict[str, jax.Array],
-    key: jax.Array,
     cfg: SequenceStepConfig,
 ) -> tuple[Any, jax.Array, jax.Array | None]:
-    """The gradients of the batch's loss at `params` (the update numbered `step`), the loss, and with
+    """The gradients of the batch's loss at `params`, dropout keyed by `keys` (dropout_keys'), the loss, and with
     sparse_embeddings the rows of the batch's tokens, to which the table's gradient is cut (else None)."""
     loss_of = LOSSES[cfg.loss]
     real = jnp.maximum(jnp.sum(batch["weight"] > 0), 1).astype(jnp.float32)
-    keys = jax.random.split(jax.random.fold_in(key, step), cfg.grad_accum)
     micro = {k: micro_batches(v, cfg.grad_accum) for k, v in batch.items()}
 
     def loss_fn(params: Any, xs: tuple) -> jax.Array:
         b, k = xs
-        model = nnx.merge(graphdef, params, with_dropout_key(rest, k))
+        model = nnx.merge(graphdef, params, with_stream_keys(rest, k))
         outputs = model(b["input_ids"], b["attention_mask"], b["token_type_ids"])  # (b, L)
         return jnp.sum(loss_of(outputs, b["targets"]) * b["weight"]) / real
 
@@ -176,16 +181,19 @@ def train_step(
     cfg: SequenceStepConfig,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer update from a batch; a non-finite loss leaves the state as it was."""
-    grads, loss, rows = gradients(graphdef, rest, state.params, state.step, batch, key, cfg)
+    keys = dropout_keys(rest, state.step, key, cfg.grad_accum)
+    grads, loss, rows = gradients(graphdef, rest, state.params, keys, batch, cfg)
     return update(state, grads, rows, loss, lr, tx)
 
 
 def compile_train_step(graphdef: Any, rest: Any, tx: Any, cfg: SequenceStepConfig, state_shardings: Any) -> Any:
-    """train_step as two programs: the gradients, compiled once per batch shape, then the update, compiled once.
+    """train_step as three programs: the dropout keys and the update, compiled once, and the gradients, compiled
+    once per batch shape.
 
-    Fine-tuning pads its batches to a few lengths: with the update in every length's program, each would compile
-    and trace it again (on a 2-core CPU, MiniLM's update is 2.1 of a 4.2 s compilation). The state is
-    donated, so the update reuses its buffers (the gradients have no output of their shape to go to).
+    Fine-tuning pads its batches to a few lengths, and each length's program compiles whatever it holds again: on
+    a 2-core CPU, MiniLM's update is 2.1 s of a 4.2 s compilation, and drawing the keys of its 14 dropout streams
+    (16 small threefry loops) about 0.3 s of 2.9. The state is donated, so the update reuses its buffers (the
+    gradients have no output of their shape to go to).
     """
     grad_shardings = state_shardings.params
     if cfg.sparse_embeddings:
@@ -194,13 +202,17 @@ def compile_train_step(graphdef: Any, rest: Any, tx: Any, cfg: SequenceStepConfi
         if isinstance(table, jax.sharding.NamedSharding):
             table = jax.sharding.NamedSharding(table.mesh, jax.sharding.PartitionSpec())
         grad_shardings = _on_table(lambda _: table, grad_shardings)
+    # The keys are laid out like the step count: replicated over the state's devices.
+    keys_jit = jax.jit(
+        functools.partial(dropout_keys, rest, grad_accum=cfg.grad_accum), out_shardings=state_shardings.step
+    )
     grads_jit = jax.jit(
         functools.partial(gradients, graphdef, rest, cfg=cfg), out_shardings=(grad_shardings, None, None)
     )
     update_jit = jax.jit(functools.partial(update, tx=tx), donate_argnums=0, out_shardings=(state_shardings, None))
 
     def step(state: TrainState, batch: dict[str, jax.Array], lr: jax.Array, key: jax.Array) -> tuple[TrainState, dict]:
-        grads, loss, rows = grads_jit(state.params, state.step, batch, key)
+        grads, loss, rows = grads_jit(state.params, keys_jit(state.step, key), batch)
         return update_jit(state, grads, rows, loss, lr)
 
     return step

@@ -120,13 +120,26 @@ def mlm_sums(
     return jnp.sum(loss * w), jnp.sum(correct * w), jnp.sum(w)
 
 
+def _is_key(x: Any) -> bool:
+    return jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def stream_keys(rest: Any, key: jax.Array) -> tuple[jax.Array, ...]:
+    """The key of each of the model's random streams, in the order of the state's leaves: fold_in(key, i) for
+    the stream at leaf i."""
+    return tuple(jax.random.fold_in(key, i) for i, x in enumerate(jax.tree.leaves(rest)) if _is_key(x))
+
+
+def with_stream_keys(rest: Any, keys: tuple[jax.Array, ...]) -> Any:
+    """The model's random-stream state with its streams keyed by `keys` (stream_keys' order)."""
+    leaves, treedef = jax.tree.flatten(rest)
+    given = iter(keys)
+    return jax.tree.unflatten(treedef, [next(given) if _is_key(x) else x for x in leaves])
+
+
 def with_dropout_key(rest: Any, key: jax.Array) -> Any:
     """The model's random-stream state with stream i keyed fold_in(key, i): dropout as a function of `key`."""
-    leaves, treedef = jax.tree.flatten(rest)
-    leaves = [
-        jax.random.fold_in(key, i) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x for i, x in enumerate(leaves)
-    ]
-    return jax.tree.unflatten(treedef, leaves)
+    return with_stream_keys(rest, stream_keys(rest, key))
 
 
 def micro_batches(x: jax.Array, a: int) -> jax.Array:
@@ -169,7 +182,10 @@ def apply_update(
 
     def update() -> TrainState:
         opt_state = set_learning_rate(state.opt_state, lr)
-        updates, new_opt_state = tx.update(grads, opt_state, state.params)
+        # The norm goes to the clipping, which would otherwise read every gradient again inside this branch.
+        updates, new_opt_state = optax.with_extra_args_support(tx).update(
+            grads, opt_state, state.params, grad_norm=grad_norm
+        )
         return TrainState(state.step + 1, optax.apply_updates(state.params, updates), new_opt_state)
 
     def skip() -> TrainState:
