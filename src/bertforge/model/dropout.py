@@ -36,6 +36,11 @@ def keep_mask(key: jax.Array, rate: float, shape: tuple[int, ...]) -> jax.Array:
     return halves.astype(jnp.int32) < keep_threshold(rate)
 
 
+def draws(model: nnx.Module) -> bool:
+    """Whether any of the model's dropout layers draws a mask (a rate above 0): only then do its steps need keys."""
+    return any(isinstance(m, nnx.Dropout) and m.rate > 0 for _, m in nnx.iter_graph(model))
+
+
 def dropped(x: jax.Array, keep: jax.Array | None, rate: float) -> jax.Array:
     """x where `keep` is True, scaled by 1 / the keep probability, and 0 elsewhere; x itself where keep is None."""
     if keep is None:

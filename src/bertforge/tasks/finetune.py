@@ -23,6 +23,7 @@ from bertforge.data.batching import epoch_batches, ladder
 from bertforge.data.folds import FoldsConfig, check_classes, fold_plan, folds_to_run
 from bertforge.data.labelled import DataConfig, Table, read_table, sorted_classes
 from bertforge.errors import UserError
+from bertforge.model import dropout
 from bertforge.model.hf import Pretrained
 from bertforge.parallel import MeshConfig, build_mesh, param_shardings
 from bertforge.tasks.finetune_fold import Job, TrainConfig, scores, train_fold
@@ -137,7 +138,9 @@ def _job(cfg: FinetuneConfig, run_dir: Path, pre: Pretrained, table: Table, vali
     del probe
     loss = cfg.head.loss or DEFAULT_LOSS[cfg.head.task]
     t = cfg.train
-    step_cfg = SequenceStepConfig(loss, t.grad_accum, t.sparse_embeddings, row_capacity=t.batch_size * limit)
+    step_cfg = SequenceStepConfig(
+        loss, t.grad_accum, t.sparse_embeddings, row_capacity=t.batch_size * limit, dropout=dropout.draws(pre.model)
+    )
     # Outputs replicated: every process reads the whole batch's predictions (metrics are global).
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     return Job(

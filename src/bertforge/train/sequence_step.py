@@ -71,6 +71,7 @@ class SequenceStepConfig:
     # Rows the lazy update has room for: at least any batch's tokens. One number for every padded length, so the
     # update compiles once; 0: each batch's own token count.
     row_capacity: int = 0
+    dropout: bool = True  # whether the model draws dropout (dropout.draws): its keys are drawn only then
 
 
 # Where every architecture keeps its word-embedding table among the parameters (and the optimizer's moments).
@@ -128,19 +129,20 @@ def gradients(
     graphdef: Any,
     rest: Any,
     params: Any,
-    keys: tuple[jax.Array, ...],
+    keys: tuple[jax.Array, ...] | None,
     batch: dict[str, jax.Array],
     cfg: SequenceStepConfig,
 ) -> tuple[Any, jax.Array, jax.Array | None]:
-    """The gradients of the batch's loss at `params`, dropout keyed by `keys` (dropout_keys'), the loss, and with
-    sparse_embeddings the rows of the batch's tokens, to which the table's gradient is cut (else None)."""
+    """The gradients of the batch's loss at `params`, dropout keyed by `keys` (dropout_keys'; None for a model
+    that draws no dropout), the loss, and with sparse_embeddings the rows of the batch's tokens, to which the
+    table's gradient is cut (else None)."""
     loss_of = LOSSES[cfg.loss]
     real = jnp.maximum(jnp.sum(batch["weight"] > 0), 1).astype(jnp.float32)
     micro = {k: micro_batches(v, cfg.grad_accum) for k, v in batch.items()}
 
     def loss_fn(params: Any, xs: tuple) -> jax.Array:
         b, k = xs
-        model = nnx.merge(graphdef, params, with_stream_keys(rest, k))
+        model = nnx.merge(graphdef, params, rest if k is None else with_stream_keys(rest, k))
         outputs = model(b["input_ids"], b["attention_mask"], b["token_type_ids"])  # (b, L)
         return jnp.sum(loss_of(outputs, b["targets"]) * b["weight"]) / real
 
@@ -181,7 +183,7 @@ def train_step(
     cfg: SequenceStepConfig,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer update from a batch; a non-finite loss leaves the state as it was."""
-    keys = dropout_keys(rest, state.step, key, cfg.grad_accum)
+    keys = dropout_keys(rest, state.step, key, cfg.grad_accum) if cfg.dropout else None
     grads, loss, rows = gradients(graphdef, rest, state.params, keys, batch, cfg)
     return update(state, grads, rows, loss, lr, tx)
 
@@ -212,7 +214,8 @@ def compile_train_step(graphdef: Any, rest: Any, tx: Any, cfg: SequenceStepConfi
     update_jit = jax.jit(functools.partial(update, tx=tx), donate_argnums=0, out_shardings=(state_shardings, None))
 
     def step(state: TrainState, batch: dict[str, jax.Array], lr: jax.Array, key: jax.Array) -> tuple[TrainState, dict]:
-        grads, loss, rows = grads_jit(state.params, keys_jit(state.step, key), batch)
+        keys = keys_jit(state.step, key) if cfg.dropout else None
+        grads, loss, rows = grads_jit(state.params, keys, batch)
         return update_jit(state, grads, rows, loss, lr)
 
     return step
