@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -73,27 +75,20 @@ def test_rates_at_the_ends_of_the_range():
     assert np.all(np.isfinite(y))
 
 
-# DistilBERT has no token types; DistilBERT's and ELECTRA's classification heads have their own activations.
-HEAD_AS_EACH_FAMILY_HAS_IT = {
-    "distilbert": {"type_vocab_size": 0, "classifier_act": "relu"},
-    "electra": {"classifier_act": "gelu"},
-}
-
-
 @pytest.mark.parametrize("flavor", ["bert", "deberta-v2", "modernbert", "distilbert", "electra"])
 def test_a_model_draws_dropout_exactly_when_its_training_forward_depends_on_the_key(flavor):
     # The fine-tuning step draws dropout keys only for a model that draws (dropout.draws): a model that draws but
     # is reported not to would repeat one mask at every step.
     from bertforge.model.architectures import build
-    from bertforge.model.config import preset
+    from bertforge.model.config import FAMILIES, ModelConfig, preset
     from bertforge.model.dropout import draws
     from bertforge.train.step import with_dropout_key
 
     ids = jnp.asarray(np.random.default_rng(0).integers(5, 1000, (2, 12)), jnp.int32)
     rates = ("hidden_dropout", "attention_dropout", "classifier_dropout")
+    family = FAMILIES[flavor].apply(dataclasses.asdict(preset("test")))  # as `init --model.flavor` builds it
     for on in (None, *rates):
-        extra = HEAD_AS_EACH_FAMILY_HAS_IT.get(flavor, {})
-        cfg = preset("test", flavor=flavor, **extra, **{r: 0.1 if r == on else 0.0 for r in rates})
+        cfg = ModelConfig(**{**family, "flavor": flavor, **{r: 0.1 if r == on else 0.0 for r in rates}})
         model = build(cfg, "sequence", num_labels=2)
         model.train()
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
