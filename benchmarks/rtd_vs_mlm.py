@@ -11,8 +11,12 @@ Each pretrained encoder is then fine-tuned with the same settings on two tasks:
 - `modules`: the demo's module-classification task (which of 8 stdlib modules a docstring comes from, the demo's
   1,080 training rows, 64 tokens), 5 folds, out-of-fold accuracy;
 - `commonlit`: CommonLit Readability (Kaggle's `commonlitreadabilityprize` train.csv), fold 0 of 5, RMSE.
-Each objective runs with --seeds pretraining seeds (fine-tuning seed 0). Every finished stage is kept in --work, so
-the command run again continues where it stopped.
+Each objective runs with --seeds pretraining seeds (fine-tuning seed 0). The baseline `none` is the same encoder not
+pretrained at all (`bertforge init` of the masked-LM config, its seed the pretraining seed), fine-tuned alike: what
+either objective's minutes add to it. Each encoder's feature spread is reported too: of the variance of its
+mean-pooled last hidden states over the module task's texts, the share between texts (near 0: every text looks
+alike to the encoder, and fine-tuning has to build the features the task needs). Every finished stage is kept in
+--work, so the command run again continues where it stopped.
 
     .venv/bin/python benchmarks/rtd_vs_mlm.py --data data/wikitext-2/*.txt --commonlit data/commonlit/train.csv \
         [--arch modernbert|electra] [--minutes 15] [--seeds 0 1]
@@ -21,6 +25,7 @@ the command run again continues where it stopped.
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import os
 import shutil
@@ -30,6 +35,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import yaml
 from pretrain_quality import BERTFORGE, ROOT, prepare
 
 # arch: {objective: (config, extra flags)}
@@ -46,7 +52,7 @@ ARCHES = {
         "rtd": ("configs/pretrain/rtd-mini.yaml", []),
     },
 }
-OBJECTIVES = ("mlm", "rtd")
+OBJECTIVES = ("none", "mlm", "rtd")  # none: not pretrained, the baseline
 # task: (table columns and kind, folds flags, max length)
 TASKS = {
     "modules": (["--text-column", "text", "--target-column", "module", "--task", "classification"], 5, 64),
@@ -65,11 +71,20 @@ def write_demo_task(path: Path) -> None:
     tabular.write_csv(str(path), ["id", "text", "module"], [list(r.values()) for r in train])
 
 
-def pretrain(objective: str, seed: int, args: argparse.Namespace, shards: Path, work: Path) -> Path:
+def pretrain(objective: str, seed: int, args: argparse.Namespace, tok: Path, shards: Path, work: Path) -> Path:
     out = work / f"{objective}-seed{seed}"
     if (out / "done.json").exists():
         return out
     shutil.rmtree(out, ignore_errors=True)
+    if objective == "none":  # the masked-LM config's model, as `bertforge init` takes it
+        config, extra = ARCHES[args.arch]["mlm"]
+        model = work / "none-model.yaml"
+        model.write_text(yaml.safe_dump({"model": yaml.safe_load((ROOT / config).read_text())["model"]}))
+        cmd = [*BERTFORGE, "init", "--config", str(model), "--tokenizer", str(tok), "--out", str(out),
+               "--seed", str(seed), *extra]  # fmt: skip
+        subprocess.run(cmd, check=True)
+        (out / "done.json").write_text(json.dumps({"wall_s": 0.0, "steps": 0}) + "\n")
+        return out
     config, extra = ARCHES[args.arch][objective]
     cmd = [*BERTFORGE, "pretrain", "--config", str(ROOT / config), "--data", str(shards), "--out", str(out),
            f"--train.time_budget_minutes={args.minutes}", "--train.max_steps=null", f"--train.seed={seed}",
@@ -83,6 +98,24 @@ def pretrain(objective: str, seed: int, args: argparse.Namespace, shards: Path, 
     steps = max(m["step"] for m in metrics)
     (out / "done.json").write_text(json.dumps({"wall_s": wall, "steps": steps, **last}) + "\n")
     return out
+
+
+def feature_spread(model: Path, texts: list[str], max_length: int) -> float:
+    """Of the variance of the encoder's mean-pooled last hidden states over `texts`, the share between texts."""
+    import jax.numpy as jnp
+
+    from bertforge.runs import load_model
+
+    pre = load_model(model, head="sequence", num_labels=1)
+    encoded = pre.tokenizer.encode_batch(texts, max_length=max_length)
+    ids = np.zeros((len(encoded), max(len(e.ids) for e in encoded)), np.int32)
+    mask = np.zeros_like(ids)
+    for i, e in enumerate(encoded):
+        ids[i, : len(e.ids)], mask[i, : len(e.ids)] = e.ids, 1
+    hidden = np.asarray(pre.model.encoder(jnp.asarray(ids), jnp.asarray(mask)), np.float64)  # (N, T, D)
+    pooled = (hidden * mask[..., None]).sum(1) / mask.sum(1, keepdims=True)  # (N, D)
+    between = ((pooled - pooled.mean(0)) ** 2).sum()
+    return float(between / (pooled**2).sum())
 
 
 def finetune(run: Path, task: str, data: Path, work: Path) -> dict:
@@ -120,15 +153,17 @@ def main() -> None:
     if not modules.exists():
         write_demo_task(modules)
     data = {"modules": modules, "commonlit": Path(args.commonlit)}
+    texts = [row["text"] for row in csv.DictReader(modules.open())][:256]
     results = {}
     for seed in args.seeds:
         for objective in OBJECTIVES:
-            run = pretrain(objective, seed, args, shards, work)
+            run = pretrain(objective, seed, args, tok, shards, work)
             done = json.loads((run / "done.json").read_text())
             results[f"{objective}-{seed}"] = {
                 "objective": objective,
                 "seed": seed,
                 "pretrain": done,
+                "spread": feature_spread(run, texts, TASKS["modules"][2]),
                 **{task: finetune(run, task, data[task], work) for task in TASKS},
             }
             (work / "results.json").write_text(json.dumps(results, indent=2) + "\n")
@@ -138,13 +173,14 @@ def main() -> None:
 def report(results: dict, args: argparse.Namespace) -> None:
     from report import save
 
-    lines = ["| objective | pretraining seed | steps | modules: accuracy (5 folds) | CommonLit fold 0: RMSE |",
-             "|---|---|---|---|---|"]  # fmt: skip
+    lines = ["| objective | pretraining seed | steps | feature spread | modules: accuracy (5 folds) | "
+             "CommonLit fold 0: RMSE |", "|---|---|---|---|---|---|"]  # fmt: skip
     rows, bars = [], []
     for r in results.values():
-        lines.append(f"| {r['objective']} | {r['seed']} | {r['pretrain']['steps']} | {r['modules']['score']:.4f} | "
-                     f"{r['commonlit']['score']:.4f} |")  # fmt: skip
+        lines.append(f"| {r['objective']} | {r['seed']} | {r['pretrain']['steps']} | {r['spread']:.4f} | "
+                     f"{r['modules']['score']:.4f} | {r['commonlit']['score']:.4f} |")  # fmt: skip
         rows.append({"objective": r["objective"], "seed": r["seed"], "steps": r["pretrain"]["steps"],
+                     "feature_spread": r["spread"],
                      "modules_accuracy": r["modules"]["score"], "commonlit_rmse": r["commonlit"]["score"],
                      "pretrain_wall_s": r["pretrain"]["wall_s"]})  # fmt: skip
     for objective in OBJECTIVES:
@@ -153,9 +189,9 @@ def report(results: dict, args: argparse.Namespace) -> None:
             continue
         acc = [r["modules"]["score"] for r in mine]
         rmse = [r["commonlit"]["score"] for r in mine]
-        lines.append(f"| **{objective}, mean ± std** | {len(mine)} seeds | | {np.mean(acc):.4f} ± {np.std(acc):.4f} | "
-                     f"{np.mean(rmse):.4f} ± {np.std(rmse):.4f} |")  # fmt: skip
-        colour = "C0" if objective == "rtd" else "C7"
+        lines.append(f"| **{objective}, mean ± std** | {len(mine)} seeds | | | {np.mean(acc):.4f} ± "
+                     f"{np.std(acc):.4f} | {np.mean(rmse):.4f} ± {np.std(rmse):.4f} |")  # fmt: skip
+        colour = {"none": "C1", "mlm": "C7", "rtd": "C0"}[objective]
         bars += [(f"{objective}: modules accuracy", float(np.mean(acc)), colour),
                  (f"{objective}: CommonLit RMSE", float(np.mean(rmse)), colour)]  # fmt: skip
     cpu = subprocess.run(["sh", "-c", "lscpu | sed -n 's/^Model name: *//p'"], capture_output=True, text=True)
