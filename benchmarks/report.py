@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import textwrap
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
@@ -23,7 +24,8 @@ def save(name: str, title: str, table: str, rows: list[dict], bars: list[tuple[s
 
     fig, ax = plt.subplots(figsize=(7, 0.9 + 0.45 * len(bars)))
     ax.barh([b[0] for b in bars], [b[1] for b in bars], color=[b[2] for b in bars])
-    ax.set_xlabel(xlabel)
-    ax.set_title(title, fontsize=8)
+    # Wrapped, and the title over the whole figure: long ones ran off it.
+    ax.set_xlabel("\n".join(textwrap.wrap(xlabel, 55)))
+    fig.suptitle("\n".join(textwrap.wrap(title, 105)), fontsize=8)
     fig.tight_layout()
     fig.savefig(RESULTS / f"{name}.png", dpi=120)
