@@ -104,15 +104,16 @@ def feature_spread(model: Path, texts: list[str], max_length: int) -> float:
     """Of the variance of the encoder's mean-pooled last hidden states over `texts`, the share between texts."""
     import jax.numpy as jnp
 
+    from bertforge.data.batching import pad_batch
     from bertforge.runs import load_model
 
     pre = load_model(model, head="sequence", num_labels=1)
+    pre.model.eval()  # ELECTRA's layers have dropout
     encoded = pre.tokenizer.encode_batch(texts, max_length=max_length)
-    ids = np.zeros((len(encoded), max(len(e.ids) for e in encoded)), np.int32)
-    mask = np.zeros_like(ids)
-    for i, e in enumerate(encoded):
-        ids[i, : len(e.ids)], mask[i, : len(e.ids)] = e.ids, 1
-    hidden = np.asarray(pre.model.encoder(jnp.asarray(ids), jnp.asarray(mask)), np.float64)  # (N, T, D)
+    batch = pad_batch(encoded, pre.tokenizer.pad_id, max(len(e.ids) for e in encoded))
+    arrays = [jnp.asarray(batch[k]) for k in ("input_ids", "attention_mask", "token_type_ids")]
+    hidden = np.asarray(pre.model.encoder(*arrays), np.float64)  # (N, T, D)
+    mask = batch["attention_mask"]
     pooled = (hidden * mask[..., None]).sum(1) / mask.sum(1, keepdims=True)  # (N, D)
     between = ((pooled - pooled.mean(0)) ** 2).sum()
     return float(between / (pooled**2).sum())
