@@ -1,9 +1,10 @@
 """Masked LM against replaced-token detection at equal pretraining wall time, judged by fine-tuning.
 
 Both objectives pretrain the same discriminator-sized encoder (4 x 256) on the same shards with the same tokenizer,
-for the same wall-clock budget, with the same optimizer and masking; --arch picks the encoder and its recipe:
+for the same wall-clock budget; --arch picks the encoder and each objective's recipe:
 - `modernbert` (the default): configs/pretrain/modernbert-mini.yaml (pre-norm, 30% masking, lr 1e-3 held then
-  decayed); replaced-token detection adds a generator as wide and half as deep, with DeBERTa-v3's sharing;
+  decayed); replaced-token detection is configs/pretrain/modernbert-mini-rtd.yaml, the same encoder and masking
+  with a generator as wide and half as deep, DeBERTa-v3's sharing and its lr of 3e-4;
 - `electra`: ELECTRA's post-norm layers with embeddings of 128; masked LM as configs/pretrain/mini.yaml (BERT's
   masking, lr 1e-3, linear decay), replaced-token detection as configs/pretrain/rtd-mini.yaml (ELECTRA's masking,
   a generator a quarter as wide, ELECTRA's sharing).
@@ -42,11 +43,8 @@ from pretrain_quality import BERTFORGE, ROOT, prepare
 ARCHES = {
     "modernbert": {
         "mlm": ("configs/pretrain/modernbert-mini.yaml", []),
-        "rtd": (
-            "configs/pretrain/modernbert-mini.yaml",
-            ["--objective=rtd", "--rtd.generator_width=1.0", "--rtd.generator_depth=0.5", "--rtd.sharing=gdes"],
-        ),
-    },  # fmt: skip
+        "rtd": ("configs/pretrain/modernbert-mini-rtd.yaml", []),
+    },
     "electra": {
         "mlm": ("configs/pretrain/mini.yaml", ["--model.flavor=electra", "--model.embedding_size=128"]),
         "rtd": ("configs/pretrain/rtd-mini.yaml", []),
