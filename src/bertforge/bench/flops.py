@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from bertforge.model.config import ModelConfig
+from bertforge.model.deberta import relative_reach
 
 # Dense bf16 peak FLOP/s per device (chip for TPUs; TPU v2/v3 count one chip = 2 cores).
 PEAK_FLOPS = {
@@ -33,10 +34,30 @@ PEAK_FLOPS = {
 }
 
 
+def _attended_keys(cfg: ModelConfig, seq_len: int) -> int:
+    """Keys each query attends to, summed over the layers: ModernBERT's local layers see a window of
+    local_attention + 1 keys (local_attention // 2 on each side), its global ones, and every other family's, all."""
+    if cfg.flavor != "modernbert":
+        return cfg.num_layers * seq_len
+    local = min(seq_len, 2 * (cfg.local_attention // 2) + 1)
+    n_global = len(range(0, cfg.num_layers, cfg.global_attn_every_n_layers))
+    return n_global * seq_len + (cfg.num_layers - n_global) * local
+
+
+def _relative_rows(cfg: ModelConfig, seq_len: int) -> int:
+    """DeBERTa's disentangled attention: each query's scores against the relative-position table (2 x its span
+    rows, at most 2 x seq_len distances), once per kind of it (c2p, p2c), in every layer; 0 for other families."""
+    if not cfg.relative_attention:
+        return 0
+    span, _ = relative_reach(cfg)
+    return cfg.num_layers * len(cfg.pos_att_type) * min(2 * span, 2 * seq_len)
+
+
 def train_flops_per_token(cfg: ModelConfig, seq_len: int, predicted_fraction: float = 1.0) -> float:
     d, f, v, layers = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_layers
-    dense = layers * (4 * d * d + 2 * d * f)  # q, k, v, out; feed-forward in and out
-    attention = layers * 2 * seq_len * d  # scores and weighted values
+    ffn = 3 * d * f if cfg.flavor == "modernbert" else 2 * d * f  # ModernBERT's is gated (GeGLU): in is d x 2f
+    dense = layers * (4 * d * d + ffn)  # q, k, v, out; feed-forward in and out
+    attention = (2 * _attended_keys(cfg, seq_len) + _relative_rows(cfg, seq_len)) * d  # scores, weighted values
     head = (d * d + d * v) * predicted_fraction  # transform + tied projection
     return 6.0 * (dense + attention + head)
 

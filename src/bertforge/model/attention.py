@@ -179,6 +179,22 @@ def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, w
     return out[:, :tq]  # (B, Q, N, H)
 
 
+def cudnn_masked_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, window: int | None = None
+) -> jax.Array:
+    """cuDNN's fused attention given a mask per query, (B, 1, Q, T): rows that pack several sequences, whose
+    attention is block-diagonal. The kernel takes the mask as a bias of that shape, so every logit is still
+    computed, but on the tensor cores and without the (B, N, Q, T) probabilities XLA's attention keeps for its
+    backward. The local window is folded into the mask; a padded query row (all False) gets a uniform softmax."""
+    tq, tk = q.shape[1], k.shape[1]
+    if window is not None:
+        mask = mask & band(tq, tk, window)  # (B, 1, Q, T)
+    q, k, v = _pad_to_even(q), _pad_to_even(k), _pad_to_even(v)  # even lengths, as in cudnn_attention
+    mask = jnp.pad(mask, ((0, 0), (0, 0), (0, q.shape[1] - tq), (0, k.shape[1] - tk)))
+    out = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="cudnn")
+    return out[:, :tq]  # (B, Q, N, H)
+
+
 def _pad_to_even(x: jax.Array) -> jax.Array:
     """(B, L, N, H) -> (B, L + L % 2, N, H), zeros appended."""
     return jnp.pad(x, ((0, 0), (0, x.shape[1] % 2), (0, 0), (0, 0)))
@@ -263,12 +279,13 @@ def attend(
     key, None where dropout is inactive; `window` the local window's half-width (None: global attention). Shapes as
     in the module docstring."""
     name = choose_attention(requested, jax.default_backend(), key is not None, dtype, q.shape[-1])
-    if name == "cudnn" and mask.shape[2] > 1:
-        name = "xla"  # a mask per query (packed rows): cudnn_attention describes padding by row lengths only
     if name in ("custom", "cudnn"):
         # Projections come out in float32 (their products accumulate in it); the products here run in the
         # compute dtype.
         q, k, v = (x.astype(dtype) for x in (q, k, v))
     if name in ("explicit", "custom"):
         return IMPLEMENTATIONS[name](q, k, v, mask, dropout, key, window=window)
+    if name == "cudnn" and mask.shape[2] > 1:
+        # A mask per query (packed rows): cudnn_attention describes padding by row lengths only.
+        return cudnn_masked_attention(q, k, v, mask, window=window)
     return IMPLEMENTATIONS[name](q, k, v, mask, window=window)

@@ -1,0 +1,43 @@
+"""benchmarks/accelerator_suite.py, so that it is known to work before an accelerator is at hand: its smoke mode
+(every part with tiny models on the CPU) and its deadlines."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+SUITE = Path(__file__).resolve().parent.parent / "benchmarks" / "accelerator_suite.py"
+
+
+def run_suite(tmp_path: Path, *args: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device, as a user's machine
+    env["BERTFORGE_COMPILE_CACHE"] = "off"  # the suite gives its fine-tuning runs their own cache
+    out = tmp_path / "out"
+    subprocess.run([sys.executable, str(SUITE), "--out", str(out), "--work", str(tmp_path / "work"), *args],
+                   check=True, env=env, timeout=900)  # fmt: skip
+    return json.loads((out / "accelerator_suite.json").read_text())
+
+
+def test_smoke_runs_every_part(tmp_path):
+    saved = run_suite(tmp_path, "--smoke")
+    rows = saved["rows"]
+    assert not [r for r in rows if "failed" in r], rows
+    for part in ("pretrain-bert", "pretrain-modernbert", "finetune-deberta"):
+        names = {r["implementation"] for r in rows if r["part"] == part and r["tokens_per_s"] > 0}
+        assert {"bertforge bf16", "transformers eager bf16 autocast"} <= names, part
+    runs = {r["run"]: r for r in rows if r["part"] == "finetune-commonlit"}
+    assert set(runs) == {"first run", "warm cache", "Trainer"}
+    # The warm run loads what the first compiled, and on a CPU computes the same numbers to the last digit.
+    assert runs["warm cache"]["score"] == runs["first run"]["score"]
+    assert 0.0 < runs["Trainer"]["score"] <= 1.0  # an accuracy
+    table = (tmp_path / "out" / "accelerator_suite.md").read_text()
+    assert "| pretrain-modernbert | 2 x 256 | bertforge bf16 |" in table
+    assert (tmp_path / "out" / "accelerator_suite.png").stat().st_size > 0
+
+
+def test_a_part_past_its_deadline_is_written_down_and_the_rest_kept(tmp_path):
+    rows = run_suite(tmp_path, "--smoke", "--parts", "pretrain-bert", "--step-deadline", "1")["rows"]
+    assert len(rows) == 2 and all(r["failed"].startswith(("stopped at", "not run")) for r in rows), rows
