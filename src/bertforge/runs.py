@@ -51,6 +51,7 @@ from bertforge.model.hf import Pretrained, load_pretrained
 from bertforge.model.rtd import RtdConfig, build_pair, discriminator_alone
 from bertforge.tokenizer import BertTokenizer
 from bertforge.train.checkpoint import DAMAGED, Checkpoints
+from bertforge.train.loss_scale import with_loss_scale
 from bertforge.train.optim import OptimConfig, make_optimizer
 from bertforge.train.step import TrainState
 
@@ -247,7 +248,7 @@ def load_run(run: str | Path, which: str = "latest", part: str = "") -> Pretrain
     else:
         model = build(model_cfg, "mlm", seed=seed)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    tx = make_optimizer(optim, params, model_cfg.num_layers)
+    tx = with_loss_scale(make_optimizer(optim, params, model_cfg.num_layers), model_cfg.dtype)
     target = TrainState(jnp.int32(0), params, jax.eval_shape(tx.init, params))
     checkpoints = Checkpoints(run / CHECKPOINTS)
     try:

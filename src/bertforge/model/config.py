@@ -22,7 +22,8 @@ ACTIVATIONS = {
     "silu": jax.nn.silu,
     "swish": jax.nn.silu,
 }
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+# Compute dtypes; parameters stay float32. float16 (GPUs without bfloat16) trains with a dynamic loss scale.
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 # Architectures, by the name of their Hugging Face model_type; each has its file in bertforge/model (RoBERTa is
 # bert.py's second configuration). model/architectures.py maps each to its file.
 FLAVORS = ("bert", "roberta", "deberta-v2", "modernbert", "electra", "distilbert")
@@ -141,8 +142,8 @@ class ModelConfig:
             raise ValueError(f"attention {self.attention!r} is not one of {', '.join(ATTENTIONS)}")
         if self.attention == "cudnn" and not cudnn_takes(self.dtype, self.hidden_size // self.num_heads):
             raise ValueError(
-                f"attention 'cudnn' needs dtype bfloat16 and a head size that is a multiple of 8 up to 256; this "
-                f"model has {self.dtype} and heads of {self.hidden_size // self.num_heads}"
+                f"attention 'cudnn' needs dtype bfloat16 or float16 and a head size that is a multiple of 8 up to "
+                f"256; this model has {self.dtype} and heads of {self.hidden_size // self.num_heads}"
             )
         for name in ("hidden_dropout", "attention_dropout", "classifier_dropout"):
             rate = getattr(self, name)

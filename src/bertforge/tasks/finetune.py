@@ -30,6 +30,7 @@ from bertforge.tasks.finetune_fold import Job, TrainConfig, scores, train_fold
 from bertforge.tasks.infer import prediction_table
 from bertforge.train import metrics
 from bertforge.train.logging import LogConfig
+from bertforge.train.loss_scale import with_loss_scale
 from bertforge.train.optim import OptimConfig, make_optimizer
 from bertforge.train.sequence_step import DEFAULT_LOSS, LOSSES, SequenceStepConfig, compile_train_step, predict_step
 from bertforge.train.step import new_train_state
@@ -132,7 +133,7 @@ def _job(cfg: FinetuneConfig, run_dir: Path, pre: Pretrained, table: Table, vali
     encs = encode(table.texts, table.pairs)
     pristine = jax.device_get(params)
     shardings = param_shardings(pre.model, mesh)
-    tx = make_optimizer(cfg.optim, params, pre.model.config.num_layers)
+    tx = with_loss_scale(make_optimizer(cfg.optim, params, pre.model.config.num_layers), pre.model.config.dtype)
     probe = new_train_state(jax.device_put(pristine, shardings), tx, mesh)
     state_shardings = jax.tree.map(lambda x: x.sharding, probe)
     del probe

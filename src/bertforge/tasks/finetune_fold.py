@@ -42,7 +42,7 @@ class TrainConfig:
     evals_per_epoch: int = 2
     eval_batch_size: int = 64
     seed: int = 0  # data order and dropout
-    dtype: str = "float32"  # compute dtype (bfloat16: mixed precision over float32 parameters)
+    dtype: str = "float32"  # compute dtype (bfloat16, or float16 with a loss scale: over float32 parameters)
     remat: bool = False  # recompute each layer's activations in the backward pass: less memory, ~1/3 more compute
     attention: str = "auto"  # auto, custom, xla, cudnn or explicit: the attention implementation (model.attention)
     # Lazy AdamW on the word-embedding table: only the rows of each batch's tokens are updated (faster on short

@@ -45,6 +45,7 @@ from bertforge.parallel import (
 from bertforge.tasks import objectives
 from bertforge.tasks.objectives import compile_steps
 from bertforge.tasks.pretrain import PretrainConfig
+from bertforge.train.loss_scale import with_loss_scale
 from bertforge.train.optim import make_optimizer
 from bertforge.train.step import abstract_train_state, prediction_capacity
 
@@ -146,7 +147,7 @@ def compiled_bytes(cfg: PretrainConfig, seq_len: int) -> int:
         param_shardings(model, mesh),
         params,
     )
-    tx = make_optimizer(cfg.optim, params, cfg.model.num_layers)
+    tx = with_loss_scale(make_optimizer(cfg.optim, params, cfg.model.num_layers), cfg.model.dtype)
     state = abstract_train_state(params, tx, mesh)
     specials = tuple(range(5))
     masking = MaskingSpec(mask_id=4, vocab_size=cfg.model.vocab_size, special_ids=specials, rate=cfg.mlm.rate)

@@ -35,6 +35,7 @@ from bertforge.tokenizer import BertTokenizer
 from bertforge.train import loop
 from bertforge.train.checkpoint import Checkpoints
 from bertforge.train.logging import LogConfig, MetricsLog
+from bertforge.train.loss_scale import with_loss_scale
 from bertforge.train.optim import OptimConfig, learning_rate, make_optimizer, warmup_fraction
 from bertforge.train.step import TrainState, new_train_state
 
@@ -171,6 +172,8 @@ def _main(
         tokenizer_dir = str(run_tokenizer)  # a resumed run uses its own copy
     if cfg.init_from and cfg.objective == "rtd":
         raise UserError(f"--init-from {cfg.init_from}: continuing from a model is for objective mlm, not rtd")
+    if cfg.objective == "rtd" and cfg.model.dtype == "float16":
+        raise UserError("model.dtype=float16 is for objective mlm: replaced-token detection has no loss scale")
     init = runs.load_to_continue(cfg.init_from, cfg.model, model_keys, cfg.train.seed) if cfg.init_from else None
     if init is not None:
         tokenizer, tokenizer_dir = init.tokenizer, f"{cfg.init_from} (--init-from)"
@@ -210,7 +213,7 @@ def _main(
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     shardings = param_shardings(model, mesh)
     params = jax.device_put(params, shardings)
-    tx = make_optimizer(cfg.optim, params, model_cfg.num_layers)
+    tx = with_loss_scale(make_optimizer(cfg.optim, params, model_cfg.num_layers), model_cfg.dtype)
     state = new_train_state(params, tx, mesh)
     state_shardings = jax.tree.map(lambda x: x.sharding, state)
 

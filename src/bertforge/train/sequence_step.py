@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from bertforge.train.loss_scale import scale_of, scaled, unscale
 from bertforge.train.optim import param_names
 from bertforge.train.step import TrainState, accumulate, apply_update, micro_batches, stream_keys, with_stream_keys
 
@@ -132,10 +133,11 @@ def gradients(
     keys: tuple[jax.Array, ...] | None,
     batch: dict[str, jax.Array],
     cfg: SequenceStepConfig,
+    scale: jax.Array | None = None,
 ) -> tuple[Any, jax.Array, jax.Array | None]:
     """The gradients of the batch's loss at `params`, dropout keyed by `keys` (dropout_keys'; None for a model
     that draws no dropout), the loss, and with sparse_embeddings the rows of the batch's tokens, to which the
-    table's gradient is cut (else None)."""
+    table's gradient is cut (else None). `scale`: float16's loss scale (loss_scale.py), divided out again."""
     loss_of = LOSSES[cfg.loss]
     real = jnp.maximum(jnp.sum(batch["weight"] > 0), 1).astype(jnp.float32)
     micro = {k: micro_batches(v, cfg.grad_accum) for k, v in batch.items()}
@@ -144,12 +146,12 @@ def gradients(
         b, k = xs
         model = nnx.merge(graphdef, params, rest if k is None else with_stream_keys(rest, k))
         outputs = model(b["input_ids"], b["attention_mask"], b["token_type_ids"])  # (b, L)
-        return jnp.sum(loss_of(outputs, b["targets"]) * b["weight"]) / real
+        return scaled(jnp.sum(loss_of(outputs, b["targets"]) * b["weight"]) / real, scale)
 
     def grad_fn(params: Any, xs: tuple) -> tuple[jax.Array, Any]:
         return jax.value_and_grad(loss_fn)(params, xs)
 
-    grads, loss = accumulate(grad_fn, params, (micro, keys))
+    grads, loss = unscale(*accumulate(grad_fn, params, (micro, keys)), scale)
     if not cfg.sparse_embeddings:
         return grads, loss, None
     ids = batch["input_ids"]
@@ -165,7 +167,9 @@ def update(
     back) and on every other parameter; the norm clipped is the whole gradient's, since the other rows have none."""
     if rows is None:
         new_state, grad_norm, finite = apply_update(state, grads, loss, lr, tx)
-        return new_state, {"loss": loss, "grad_norm": grad_norm, "finite": finite}
+        metrics = {"loss": loss, "grad_norm": grad_norm, "finite": finite}
+        scale = scale_of(state.opt_state)
+        return new_state, metrics if scale is None else {**metrics, "loss_scale": scale}
     part = TrainState(state.step, take_rows(state.params, rows), take_rows(state.opt_state, rows))
     new, metrics = update(part, grads, None, loss, lr, tx)
     params = put_rows(state.params, new.params, rows)
@@ -184,7 +188,7 @@ def train_step(
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer update from a batch; a non-finite loss leaves the state as it was."""
     keys = dropout_keys(rest, state.step, key, cfg.grad_accum) if cfg.dropout else None
-    grads, loss, rows = gradients(graphdef, rest, state.params, keys, batch, cfg)
+    grads, loss, rows = gradients(graphdef, rest, state.params, keys, batch, cfg, scale_of(state.opt_state))
     return update(state, grads, rows, loss, lr, tx)
 
 
@@ -215,7 +219,7 @@ def compile_train_step(graphdef: Any, rest: Any, tx: Any, cfg: SequenceStepConfi
 
     def step(state: TrainState, batch: dict[str, jax.Array], lr: jax.Array, key: jax.Array) -> tuple[TrainState, dict]:
         keys = keys_jit(state.step, key) if cfg.dropout else None
-        grads, loss, rows = grads_jit(state.params, keys, batch)
+        grads, loss, rows = grads_jit(state.params, keys, batch, scale=scale_of(state.opt_state))
         return update_jit(state, grads, rows, loss, lr)
 
     return step

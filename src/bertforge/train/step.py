@@ -20,6 +20,7 @@ from flax import nnx
 
 from bertforge.data.masking import IGNORE, MaskingSpec, mask_tokens
 from bertforge.data.packing import segment_ids
+from bertforge.train.loss_scale import MINIMUM, after_overflow, scale_of, scaled, unscale
 from bertforge.train.optim import set_learning_rate
 
 
@@ -176,7 +177,9 @@ def accumulate(grad_fn: Any, params: Any, xs: Any) -> tuple[Any, Any]:
 def apply_update(
     state: TrainState, grads: Any, loss: jax.Array, lr: jax.Array, tx: Any
 ) -> tuple[TrainState, jax.Array, jax.Array]:
-    """One optimizer update; a non-finite loss or gradient leaves the state as it was. -> (state, norm, finite)."""
+    """One optimizer update; a non-finite loss or gradient leaves the parameters and moments as they were (and
+    halves a float16 run's loss scale). -> (state, norm, ok): ok is False when the run cannot go on, a non-finite
+    loss, or gradients that overflow with no loss scale left to lower."""
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 
@@ -189,10 +192,15 @@ def apply_update(
         return TrainState(state.step + 1, optax.apply_updates(state.params, updates), new_opt_state)
 
     def skip() -> TrainState:
-        return TrainState(state.step + 1, state.params, state.opt_state)
+        return TrainState(state.step + 1, state.params, after_overflow(state.opt_state))
 
     # A branch, not an element-wise select of old and new, so that no second copy of every buffer is made.
-    return jax.lax.cond(finite, update, skip), grad_norm, finite
+    new_state = jax.lax.cond(finite, update, skip)
+    scale = scale_of(state.opt_state)
+    if scale is None:
+        return new_state, grad_norm, finite
+    # float16: an overflow of the gradients is the loss scale's to absorb (it has just been halved).
+    return new_state, grad_norm, jnp.isfinite(loss) & (finite | (scale > MINIMUM))
 
 
 def train_step(
@@ -203,12 +211,13 @@ def train_step(
     mask_key, dropout_key = jax.random.split(step_key)
     inputs, labels = _masked_batch(mask_key, ids, cfg)
     total = jnp.maximum(jnp.sum(labels != IGNORE), 1).astype(jnp.float32)
+    scale = scale_of(state.opt_state)  # float16 compute: the loss scale (loss_scale.py)
 
     def loss_fn(params: Any, xs: tuple) -> tuple[jax.Array, jax.Array]:
         x, y, k = xs
         model = nnx.merge(graphdef, params, with_dropout_key(rest, k))
         loss_sum, correct, _ = mlm_sums(model, x, y, cfg)
-        return loss_sum / total, correct
+        return scaled(loss_sum / total, scale), correct
 
     def grad_fn(params: Any, xs: tuple) -> tuple[tuple, Any]:
         (loss, correct), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, xs)
@@ -216,9 +225,12 @@ def train_step(
 
     keys = jax.random.split(dropout_key, cfg.grad_accum)
     grads, (loss, correct) = accumulate(grad_fn, state.params, (inputs, labels, keys))
+    grads, loss = unscale(grads, loss, scale)
     new_state, grad_norm, finite = apply_update(state, grads, loss, lr, tx)
     metrics = {"loss": loss, "accuracy": correct / total, "grad_norm": grad_norm, "predictions": total}
     metrics["finite"] = finite
+    if scale is not None:
+        metrics["loss_scale"] = scale
     return new_state, metrics
 
 
