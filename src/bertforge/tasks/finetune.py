@@ -29,6 +29,7 @@ from bertforge.parallel import MeshConfig, build_mesh, param_shardings
 from bertforge.tasks.finetune_fold import Job, TrainConfig, scores, train_fold
 from bertforge.tasks.infer import prediction_table
 from bertforge.train import metrics
+from bertforge.train.ahead import Ahead
 from bertforge.train.logging import LogConfig
 from bertforge.train.loss_scale import with_loss_scale
 from bertforge.train.optim import OptimConfig, make_optimizer
@@ -169,7 +170,7 @@ def _job(cfg: FinetuneConfig, run_dir: Path, pre: Pretrained, table: Table, vali
         param_shardings=shardings,
         tx=tx,
         step_jit=compile_train_step(graphdef, rest, tx, step_cfg, state_shardings),
-        forward_jit=jax.jit(functools.partial(predict_step, graphdef, rest), out_shardings=replicated),
+        forward_jit=Ahead(jax.jit(functools.partial(predict_step, graphdef, rest), out_shardings=replicated)),
         base_model=cfg.model,
         hub=cfg.hub,
         publisher=hub.Publisher(cfg.hub) if cfg.hub.repo and jax.process_index() == 0 else None,

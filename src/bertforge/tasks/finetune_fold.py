@@ -18,7 +18,7 @@ from flax import nnx
 
 from bertforge import runs
 from bertforge.card import card_files
-from bertforge.data.batching import epoch_batches, pad_batch, padded_length
+from bertforge.data.batching import by_length, epoch_batches, pad_batch, padded_length
 from bertforge.data.labelled import Table
 from bertforge.errors import UserError
 from bertforge.hub import HubConfig, Publisher
@@ -144,6 +144,28 @@ def _mean_loss(outputs: jax.Array, targets: jax.Array, loss: str) -> jax.Array:
     return jnp.mean(LOSSES[loss](outputs, targets))
 
 
+def compile_ahead(job: Job, state: TrainState, key: jax.Array, lengths: np.ndarray, valid_lengths: np.ndarray,
+                  first_step: int, steps: int) -> None:  # fmt: skip
+    """Start compiling, in background threads (train/ahead.py), the gradients' program of every length the fold's
+    batches from `first_step` on are padded to, in the order the steps first need them, then the evaluation's of
+    every length its batches take; nothing else. `lengths`: the training rows' token counts."""
+    size = job.train.batch_size
+    per_epoch = math.ceil(len(lengths) / size)
+    needed: list[int] = []
+    for epoch in range(first_step // per_epoch, math.ceil(steps / per_epoch)):
+        for local in epoch_batches(lengths, size, job.bucket, job.train.seed, epoch, job.pool):
+            n = padded_length(int(lengths[local].max()), job.limit, job.bucket, job.rungs)
+            needed += [] if n in needed else [n]
+    for n in needed:  # all-filler batches of each shape: only their shapes and layouts matter
+        batch = _batch(job, np.zeros(0, np.int64), n)
+        job.step_jit.ahead(state, {k: global_array(v, job.mesh) for k, v in batch.items()}, key)
+    evaluated = {padded_length(int(valid_lengths[idx].max()), job.limit, job.bucket, job.rungs)
+                 for idx in by_length(valid_lengths, job.train.eval_batch_size)}  # fmt: skip
+    for n in sorted(evaluated, reverse=True):  # the evaluation runs longest first
+        batch = pad_batch([], job.pre.tokenizer.pad_id, n, job.train.eval_batch_size)
+        job.forward_jit.ahead(state.params, {k: global_array(batch[k], job.mesh) for k in INPUTS})
+
+
 def train_fold(job: Job, fold: int, train_rows: np.ndarray, valid_rows: np.ndarray, resume: str) -> dict[str, Any]:
     """Train fold `fold` (continuing from its newest checkpoint when it has one); returns its result.json."""
     train, mesh = job.train, job.mesh
@@ -220,6 +242,7 @@ def train_fold(job: Job, fold: int, train_rows: np.ndarray, valid_rows: np.ndarr
         + (f"; resuming from step {start_step}" if start_step else "")
     )
     warmup = warmup_fraction(job.optim, steps)
+    compile_ahead(job, state, key, lengths, np.array([len(e.ids) for e in valid_encs]), start_step, steps)
     try:
         state, _, _ = loop.run(
             state,

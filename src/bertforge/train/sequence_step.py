@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from bertforge.train.ahead import Ahead
 from bertforge.train.loss_scale import scale_of, scaled, unscale
 from bertforge.train.optim import param_names
 from bertforge.train.step import TrainState, accumulate, apply_update, micro_batches, stream_keys, with_stream_keys
@@ -192,9 +193,34 @@ def train_step(
     return update(state, grads, rows, loss, lr, tx)
 
 
-def compile_train_step(graphdef: Any, rest: Any, tx: Any, cfg: SequenceStepConfig, state_shardings: Any) -> Any:
+class TrainStep:
+    """train_step as three programs (compile_train_step): call it as train_step, less its static arguments."""
+
+    def __init__(self, keys_jit: Any, grads: Ahead, update: Ahead, cfg: SequenceStepConfig, shardings: Any):
+        self.keys_jit, self.grads, self.update, self.cfg = keys_jit, grads, update, cfg
+        self.grad_shardings, self.loss_sharding = shardings
+
+    def __call__(
+        self, state: TrainState, batch: dict[str, jax.Array], lr: jax.Array, key: jax.Array
+    ) -> tuple[TrainState, dict]:
+        keys = self.keys_jit(state.step, key) if self.cfg.dropout else None
+        grads, loss, rows = self.grads(state.params, keys, batch, scale=scale_of(state.opt_state))
+        return self.update(state, grads, rows, loss, lr)
+
+    def ahead(self, state: TrainState, batch: dict[str, jax.Array], key: jax.Array) -> None:
+        """Start compiling the gradients' program for batches shaped as `batch`, and the update's (Ahead.ahead)."""
+        keys = self.keys_jit(state.step, key) if self.cfg.dropout else None
+        self.grads.ahead(state.params, keys, batch, scale=scale_of(state.opt_state))
+        if not self.cfg.sparse_embeddings:  # else the gradients' rows have a layout only their program knows
+            grads = jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s), state.params,
+                                 self.grad_shardings)  # fmt: skip
+            loss = jax.ShapeDtypeStruct((), jnp.float32, sharding=self.loss_sharding)
+            self.update.ahead(state, grads, None, loss, jnp.float32(0.0))  # lr as the fold's loop passes it
+
+
+def compile_train_step(graphdef: Any, rest: Any, tx: Any, cfg: SequenceStepConfig, state_shardings: Any) -> TrainStep:
     """train_step as three programs: the dropout keys and the update, compiled once, and the gradients, compiled
-    once per batch shape.
+    once per batch shape, ahead of use when asked (TrainStep.ahead).
 
     Fine-tuning pads its batches to a few lengths, and each length's program compiles whatever it holds again: on
     a 2-core CPU, MiniLM's update is 2.1 s of a 4.2 s compilation, and drawing the keys of its 14 dropout streams
@@ -213,16 +239,12 @@ def compile_train_step(graphdef: Any, rest: Any, tx: Any, cfg: SequenceStepConfi
         functools.partial(dropout_keys, rest, grad_accum=cfg.grad_accum), out_shardings=state_shardings.step
     )
     grads_jit = jax.jit(
-        functools.partial(gradients, graphdef, rest, cfg=cfg), out_shardings=(grad_shardings, None, None)
+        functools.partial(gradients, graphdef, rest, cfg=cfg),
+        out_shardings=(grad_shardings, state_shardings.step, None),  # the loss replicated, as the step count
     )
     update_jit = jax.jit(functools.partial(update, tx=tx), donate_argnums=0, out_shardings=(state_shardings, None))
-
-    def step(state: TrainState, batch: dict[str, jax.Array], lr: jax.Array, key: jax.Array) -> tuple[TrainState, dict]:
-        keys = keys_jit(state.step, key) if cfg.dropout else None
-        grads, loss, rows = grads_jit(state.params, keys, batch, scale=scale_of(state.opt_state))
-        return update_jit(state, grads, rows, loss, lr)
-
-    return step
+    shardings = (grad_shardings, state_shardings.step)
+    return TrainStep(keys_jit, Ahead(grads_jit), Ahead(update_jit), cfg, shardings)
 
 
 def predict_step(graphdef: Any, rest: Any, params: Any, batch: dict[str, jax.Array]) -> jax.Array:
