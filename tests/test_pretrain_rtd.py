@@ -221,10 +221,12 @@ def test_eight_devices_with_fsdp_give_the_run_of_one(shards, tmp_path):
     one = dataclasses.replace(one, rtd=eight.rtd)
     pretrain.main(one, str(tmp_path / "one"))
     pretrain.main(eight, str(tmp_path / "eight"))
+    # The parts agree to 1e-5; the combined loss, gen_loss + disc_weight x disc_loss, to what that carries over.
+    atol = {"loss": 1e-5 * (1 + eight.rtd.disc_weight)}
     for key in ("loss", "disc_loss", "gen_loss", "valid_disc_auc"):
         a, b = losses(tmp_path / "one", key), losses(tmp_path / "eight", key)
         assert sorted(a) == sorted(b) and a
-        np.testing.assert_allclose([b[s] for s in a], [a[s] for s in a], rtol=0, atol=1e-5, err_msg=key)
+        np.testing.assert_allclose([b[s] for s in a], [a[s] for s in a], rtol=0, atol=atol.get(key, 1e-5), err_msg=key)
     for part in ("discriminator", "generator"):
         x, y = (nnx.state(load_run(tmp_path / r, part=part).model, nnx.Param) for r in ("one", "eight"))
         for p, q in zip(jax.tree.leaves(x), jax.tree.leaves(y), strict=True):
