@@ -33,7 +33,7 @@ def polynomial(x: jax.Array, scale: jax.Array) -> jax.Array:
 
 
 def test_ahead_runs_what_jit_runs_and_compiles_each_signature_once():
-    fn = Ahead(jax.jit(polynomial))
+    fn = Ahead(jax.jit(polynomial), threads=2)
     xs = {n: jnp.asarray(np.random.default_rng(n).normal(size=(4, n)), jnp.float32) for n in (8, 16, 24)}
     like_8 = jax.ShapeDtypeStruct((4, 8), jnp.float32, sharding=xs[8].sharding)
     assert signature((like_8,), {}) == signature((xs[8],), {}) != signature((xs[16],), {})
@@ -51,7 +51,7 @@ def test_ahead_runs_what_jit_runs_and_compiles_each_signature_once():
 
 
 def test_threads_calling_a_new_signature_at_once_compile_it_once():
-    fn = Ahead(jax.jit(lambda x: jnp.cumsum(x) * 2))
+    fn = Ahead(jax.jit(lambda x: jnp.cumsum(x) * 2), threads=2)
     x = jnp.arange(1000.0)
     out = [None] * 6
     threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, fn(x))) for i in range(6)]
@@ -100,3 +100,12 @@ def test_a_k_fold_run_compiles_each_program_once(model_dir, tmp_path):
     assert counts["jit(update)"] == 1
     # Evaluation batches of 32 over 80 validation rows: 3 batches, padded to at most 3 lengths over both folds.
     assert 1 <= counts["jit(predict_step)"] <= 3
+
+
+def test_without_threads_nothing_compiles_ahead(monkeypatch):
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    fn = Ahead(jax.jit(lambda x: x + 1))
+    fn.ahead(jnp.ones(3))
+    assert fn.threads == 0 and fn.compiled() == 0
+    np.testing.assert_array_equal(np.asarray(fn(jnp.ones(3))), 2.0)
+    assert fn.compiled() == 1

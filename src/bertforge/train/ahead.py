@@ -25,23 +25,25 @@ def signature(args: tuple, kwargs: dict) -> tuple:
 
 
 def workers() -> int:
-    """Threads that compile: every core but one, which the running steps keep, at least one and at most four."""
-    return max(1, min(4, (os.cpu_count() or 2) - 1))
+    """Threads that compile: every core but one, which the running steps keep, at most four; none on a machine of
+    two cores or fewer, whose steps already use every core (there, compiling ahead did not shorten a first run)."""
+    cores = os.cpu_count() or 1
+    return 0 if cores <= 2 else min(4, cores - 1)
 
 
 class Ahead:
     """`fn` (a jax.jit function) with one compiled program per argument signature.
 
     `ahead(*args)` starts compiling the program for arguments of args' shapes (ShapeDtypeStructs with their
-    shardings, or arrays) in a background thread; a call runs the program of its arguments' signature, waiting
-    for it if it is being compiled, or compiling it at once if nobody asked for it ahead. Each signature compiles
-    once, so the folds of a k-fold run share every program. The programs are those jax.jit would make (the same
-    lowering, the persistent cache included), so the numbers are the same.
+    shardings, or arrays) in a background thread (with no threads, it does nothing); a call runs the program of its
+    arguments' signature, waiting for it if it is being compiled, or compiling it at once if nobody asked for it
+    ahead. Each signature compiles once, so the folds of a k-fold run share every program. The programs are those
+    jax.jit would make (the same lowering, the persistent cache included), so the numbers are the same.
     """
 
     def __init__(self, fn: Any, threads: int | None = None):
         self.fn = fn
-        self.threads = threads or workers()
+        self.threads = workers() if threads is None else threads
         self.pool: concurrent.futures.ThreadPoolExecutor | None = None
         self.programs: dict[tuple, concurrent.futures.Future] = {}
         self.lock = threading.Lock()
@@ -50,6 +52,8 @@ class Ahead:
         return self.fn.lower(*args, **kwargs).compile()
 
     def ahead(self, *args: Any, **kwargs: Any) -> None:
+        if not self.threads:
+            return
         key = signature(args, kwargs)
         with self.lock:
             if key in self.programs:
