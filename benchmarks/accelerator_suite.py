@@ -225,8 +225,8 @@ def row_order(row: dict) -> tuple[int, int]:
 def part_flops(name: str, seq: int) -> float:
     """Model FLOPs per token of a step part (bench.flops), one count for every implementation: the vocabulary
     projection at the masked positions only in pretraining, a sequence head's negligible in fine-tuning."""
-    from bertforge.bench.flops import train_flops_per_token
     from bertforge.model.architectures import config_from_hf
+    from bertforge.train.flops import train_flops_per_token
 
     part = PARTS[name]
     cfg, _ = config_from_hf(fsa.hf_config(part.arch).to_dict(), part.arch)
@@ -400,7 +400,7 @@ def render(saved: Path) -> None:
     """The table and plot of saved results again, beside them (name.md, name.png)."""
     data = json.loads(saved.read_text())
     device = data["title"].removeprefix("Accelerator suite on ").removesuffix(" (smoke: tiny models)")
-    from bertforge.bench.flops import PEAK_FLOPS
+    from bertforge.train.flops import PEAK_FLOPS
 
     peak = next((v for k, v in PEAK_FLOPS.items() if k in device), float("nan"))
     results = Results(saved.parent, device, peak, data["title"].endswith("(smoke: tiny models)"), name=saved.stem)
@@ -410,7 +410,7 @@ def render(saved: Path) -> None:
 
 def device_name() -> tuple[str, float]:
     """(the device's name, its dense bf16 peak FLOP/s), without starting JAX or CUDA in this process."""
-    from bertforge.bench.flops import PEAK_FLOPS
+    from bertforge.train.flops import PEAK_FLOPS
 
     smi = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
                          text=True, check=False) if shutil.which("nvidia-smi") else None  # fmt: skip

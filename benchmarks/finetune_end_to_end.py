@@ -23,7 +23,7 @@ the head's initialisation change; the folds do not) and the table gives the mean
     .venv/bin/python benchmarks/finetune_end_to_end.py --task sentences --seeds 0 1 2 --sparse-embeddings   # a third
     .venv/bin/python benchmarks/finetune_end_to_end.py --task sentences --seeds 0 1 2 --cold-cache
 
-bertforge keeps the programs it compiles in a per-user cache (compile_cache.py), so a command run again, another
+bertforge keeps the programs it compiles in a per-user cache (runtime/compile_cache.py), so a command run again, another
 seed or fold, skips most compilation. By default the runs share that cache as a user's runs would (the first
 seed's run may fill it); `--cold-cache` gives each bertforge run an empty one, the cost of a first run.
 

@@ -90,14 +90,14 @@ def worker(args: argparse.Namespace) -> None:
     from bertforge.cli import main as cli
     from bertforge.model.hf import load_pretrained
     from bertforge.tasks import finetune_fold
-    from bertforge.tokenizer import BertTokenizer
+    from bertforge.tokenizer.load import Tokenizer
     from bertforge.train import checkpoint, loop
     from bertforge.train.optim import OptimConfig, make_optimizer
 
     imported = time.perf_counter()
     clock = Clock()
     jax.monitoring.register_event_duration_secs_listener(clock.on_event)
-    clock.wrap(BertTokenizer, "encode_batch", "tokenization")
+    clock.wrap(Tokenizer, "encode_batch", "tokenization")
     clock.wrap(loop, "run", "training steps")
     clock.wrap(finetune_fold, "_batch", "batch building (host)")
     clock.wrap(finetune_fold, "outputs_by_length", "evaluation")
@@ -157,15 +157,15 @@ def main() -> None:
         write_task(args.task, Path(args.data))
     elif not args.data:
         p.error("--task commonlit needs --data")
-    from bertforge.allocator import tuned_environment
-    from bertforge.xla_options import tuned_xla_flags
+    from bertforge.runtime.allocator import tuned_environment
+    from bertforge.runtime.xla_options import tuned_xla_flags
 
     out = work / f"run-{args.task}"
     subprocess.run(["rm", "-rf", str(out)], check=True)
     cmd = [sys.executable, __file__, "--worker", "--task", args.task, "--data", args.data, "--epochs",
            str(args.epochs), "--model", args.model, "--out", str(out), "--dtype", args.dtype]  # fmt: skip
-    # The allocator settings and XLA options the command gives itself at start-up (bertforge.allocator,
-    # bertforge.xla_options), since the worker runs the command's code in-process rather than through its entry point.
+    # The allocator settings and XLA options the command gives itself at start-up (bertforge.runtime.allocator,
+    # bertforge.runtime.xla_options), since the worker runs the command's code in-process, not through its entry point.
     env = tuned_environment(os.environ, command="finetune") or dict(os.environ)
     env["XLA_FLAGS"] = tuned_xla_flags(env, "finetune") or env.get("XLA_FLAGS", "")
     done = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)

@@ -6,7 +6,7 @@ One step = forward, MSE loss of a one-output sequence head, backward, gradient c
 checkpoints' (config.json fields as the hub has them, dropout included), built by transformers' config classes
 and read by bertforge's own config.json reader, so both sides run the same architecture. Each implementation runs
 in a fresh process: warm-up (compilation) steps first, then the median time of the timed steps. On a CPU,
-bertforge's process has the glibc allocator tunables that every bertforge command sets there (allocator.py).
+bertforge's process has the glibc allocator tunables that every bertforge command sets there (runtime/allocator.py).
 
     .venv/bin/python benchmarks/finetune_step_architectures.py [--archs deberta-v2 modernbert electra distilbert]
         [--device cpu|gpu] [--steps 3]
@@ -29,7 +29,7 @@ import numpy as np
 import report
 from timing import exclusive, jax_peak_bytes, torch_timed
 
-from bertforge.allocator import tuned_environment
+from bertforge.runtime.allocator import tuned_environment
 
 BATCH, SEQ = 16, 256
 
@@ -177,7 +177,7 @@ def peak_flops(device: str) -> tuple[float, str]:
         return float("nan"), "none (CPU)"
     import torch
 
-    from bertforge.bench.flops import PEAK_FLOPS
+    from bertforge.train.flops import PEAK_FLOPS
 
     name = torch.cuda.get_device_name()
     return next((v for k, v in PEAK_FLOPS.items() if k in name), float("nan")), f"{name} dense bf16 datasheet"
@@ -205,7 +205,7 @@ def main() -> None:
     if args.device == "cpu":
         env.update(JAX_PLATFORMS="cpu", CUDA_VISIBLE_DEVICES="")
     torch_env = dict(env, JAX_PLATFORMS="cpu")
-    # On a CPU every bertforge command runs with its allocator tunables (allocator.py); its step here does too.
+    # On a CPU every bertforge command runs with its allocator tunables (runtime/allocator.py); its step here does too.
     env = tuned_environment(env, command="finetune") or env
     rows = []
     for arch in args.archs:

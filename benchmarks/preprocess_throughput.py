@@ -98,14 +98,14 @@ def main() -> None:
         child(args)
         return
 
-    from bertforge import tokenizer_train
+    from bertforge.tokenizer.train import train_tokenizer
 
     work = Path(tempfile.mkdtemp(prefix="bf-bench-"))
     text = "".join(Path(args.data_dir, f).read_text(encoding="utf-8") for f in ("valid.txt", "test.txt"))
     corpus = work / "corpus.txt"
     corpus.write_text(text * args.repeat, encoding="utf-8")
     tok_dir = work / "tok"
-    tokenizer_train.train([str(Path(args.data_dir) / "valid.txt")], "wordpiece", 16000, tok_dir, lowercase=True)
+    train_tokenizer([str(Path(args.data_dir) / "valid.txt")], "wordpiece", 16000, tok_dir, lowercase=True)
     size_mb = corpus.stat().st_size / 1e6
 
     rows = []

@@ -237,7 +237,7 @@ def checkpoints(system: str, out: Path) -> list[tuple[int, Path]]:
 def eval_loss_bertforge(out: Path, step: int, batch: dict) -> float:
     import jax.numpy as jnp
 
-    from bertforge.runs import load_run
+    from bertforge.model.load import load_run
 
     model = load_run(out, str(step)).model
     model.eval()

@@ -40,10 +40,10 @@ def run_bertforge(preset: str, batch: int, seq_len: int, steps: int, sparse: boo
     import jax.numpy as jnp
     from flax import nnx
 
-    from bertforge.bench.flops import device_peak_flops, train_flops_per_token
     from bertforge.data.masking import MaskingSpec
     from bertforge.model.architectures import build
     from bertforge.model.config import preset as get_preset
+    from bertforge.train.flops import device_peak_flops, train_flops_per_token
     from bertforge.train.optim import OptimConfig, make_optimizer
     from bertforge.train.step import StepConfig, TrainState, prediction_capacity, train_step
 
@@ -78,8 +78,8 @@ def run_torch(preset: str, batch: int, seq_len: int, steps: int, compiled: bool,
     import torch
     from transformers import BertConfig, BertForMaskedLM
 
-    from bertforge.bench.flops import measured_matmul_flops, train_flops_per_token
     from bertforge.model.config import preset as get_preset
+    from bertforge.train.flops import measured_matmul_flops, train_flops_per_token
 
     cfg = get_preset(preset, vocab_size=VOCAB)
     hf = BertConfig(
@@ -128,7 +128,7 @@ def run_torch(preset: str, batch: int, seq_len: int, steps: int, compiled: bool,
         else:
             times.append(time.perf_counter() - start)
     if device == "cuda":
-        from bertforge.bench.flops import PEAK_FLOPS
+        from bertforge.train.flops import PEAK_FLOPS
 
         name = torch.cuda.get_device_name()
         peak = next((v for k, v in PEAK_FLOPS.items() if k in name), float("nan"))

@@ -103,7 +103,7 @@ def feature_spread(model: Path, texts: list[str], max_length: int) -> float:
     import jax.numpy as jnp
 
     from bertforge.data.batching import pad_batch
-    from bertforge.runs import load_model
+    from bertforge.model.load import load_model
 
     pre = load_model(model, head="sequence", num_labels=1)
     pre.model.eval()  # ELECTRA's layers have dropout

@@ -41,19 +41,19 @@ def corpus(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def wordpiece_dir(corpus, tmp_path_factory) -> Path:
-    from bertforge import tokenizer_train
+    from bertforge.tokenizer.train import train_tokenizer
 
     out = tmp_path_factory.mktemp("tok") / "wordpiece"
-    tokenizer_train.train([str(corpus)], "wordpiece", 700, out, lowercase=True)
+    train_tokenizer([str(corpus)], "wordpiece", 700, out, lowercase=True)
     return out
 
 
 @pytest.fixture(scope="session")
 def bpe_dir(corpus, tmp_path_factory) -> Path:
-    from bertforge import tokenizer_train
+    from bertforge.tokenizer.train import train_tokenizer
 
     out = tmp_path_factory.mktemp("tok") / "bpe"
-    tokenizer_train.train([str(corpus)], "bpe", 700, out)
+    train_tokenizer([str(corpus)], "bpe", 700, out)
     return out
 
 
@@ -63,9 +63,9 @@ def model_dir(wordpiece_dir, tmp_path_factory) -> Path:
     from bertforge.model.architectures import build
     from bertforge.model.config import preset
     from bertforge.model.hf import save_pretrained
-    from bertforge.tokenizer import BertTokenizer
+    from bertforge.tokenizer.load import Tokenizer
 
-    tok = BertTokenizer.load(wordpiece_dir)
+    tok = Tokenizer.load(wordpiece_dir)
     cfg = preset("test", vocab_size=tok.vocab_size, hidden_dropout=0.0, attention_dropout=0.0)
     return save_pretrained(build(cfg, "mlm"), tmp_path_factory.mktemp("model") / "test-bert", tok)
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from transformers import BertConfig, RobertaConfig
 
-from bertforge.tokenizer import BertTokenizer
+from bertforge.tokenizer.load import Tokenizer
 
 SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
 
@@ -23,7 +23,7 @@ def hf_config(flavor: str, vocab_size: int, **extra):
 
 def save_hf_model(model_cls, flavor: str, tokenizer_dir: Path, out: Path, seed: int = 0, **extra) -> Path:
     """A randomly initialised `model_cls` with the tokenizer of `tokenizer_dir`, saved to `out` as safetensors."""
-    tok = BertTokenizer.load(tokenizer_dir)
+    tok = Tokenizer.load(tokenizer_dir)
     torch.manual_seed(seed)
     model = model_cls(hf_config(flavor, tok.vocab_size, **extra)).eval()
     # Biases and LayerNorm affine parameters start at 0 / 1; randomise them so the key table is fully exercised.

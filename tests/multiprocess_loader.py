@@ -17,7 +17,7 @@ pid, nproc, port, shards_dir, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv
 jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=nproc, process_id=pid)
 
 from bertforge.data.shards import BatchLoader, Shards  # noqa: E402
-from bertforge.parallel import batch_sharding, make_mesh  # noqa: E402
+from bertforge.runtime.devices import batch_sharding, make_mesh  # noqa: E402
 
 assert jax.device_count() == 4 * nproc and jax.local_device_count() == 4
 mesh = make_mesh()

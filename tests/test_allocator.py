@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from bertforge.allocator import OPT_OUT, TUNABLES, tunables, tuned_environment
+from bertforge.runtime.allocator import OPT_OUT, TUNABLES, tunables, tuned_environment
 
 
 def _tunables(env):
@@ -41,7 +41,7 @@ def test_no_rerun_once_set_when_opted_out_or_off_linux():
 def test_the_command_runs_again_once_in_the_same_process_with_its_options():
     script = (
         "import os, sys\n"
-        "from bertforge.allocator import rerun_with_tuned_allocator\n"
+        "from bertforge.runtime.allocator import rerun_with_tuned_allocator\n"
         "print('pid', os.getpid(), sys.flags.dont_write_bytecode, flush=True)\n"
         "rerun_with_tuned_allocator()\n"
         "print('tunables', os.environ['GLIBC_TUNABLES'])\n"
@@ -87,7 +87,7 @@ def test_finetune_adds_its_own_and_stops_rerunning_once_they_are_set():
 # each, over glibc's largest mmap threshold), run on XLA's worker threads: the page faults of one call, once warm.
 FAULTS_SCRIPT = """
 import resource, sys
-from bertforge.allocator import rerun_with_tuned_allocator
+from bertforge.runtime.allocator import rerun_with_tuned_allocator
 rerun_with_tuned_allocator(sys.argv[1])
 import jax, jax.numpy as jnp
 @jax.jit

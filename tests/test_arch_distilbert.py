@@ -36,14 +36,14 @@ from transformers import (
 from bertforge.errors import UserError
 from bertforge.model.architectures import build
 from bertforge.model.hf import load_pretrained, save_pretrained
-from bertforge.tokenizer import BertTokenizer
+from bertforge.tokenizer.load import Tokenizer
 
 SIZES = dict(dim=32, n_layers=2, n_heads=4, hidden_dim=64, max_position_embeddings=64, activation="gelu")
 
 
 def reference(model_cls, tokenizer_dir: Path, out: Path, seed: int = 0, **extra) -> Path:
     """A randomly initialised transformers DistilBERT `model_cls` with a wide initialiser, saved to `out`."""
-    tok = BertTokenizer.load(tokenizer_dir)
+    tok = Tokenizer.load(tokenizer_dir)
     torch.manual_seed(seed)
     fields = {**SIZES, **extra}
     config = DistilBertConfig(vocab_size=tok.vocab_size, pad_token_id=tok.pad_id, initializer_range=0.2, **fields)
@@ -103,7 +103,7 @@ def test_fine_tuning_gradients_match_torch(wordpiece_dir, tmp_path):
 # ------------------------------------------------------------------------------------------------------ round trip
 @pytest.mark.parametrize("head", ["mlm", "sequence"])
 def test_round_trip_through_transformers(head, wordpiece_dir, tmp_path):
-    tok = BertTokenizer.load(wordpiece_dir)
+    tok = Tokenizer.load(wordpiece_dir)
     model = perturbed(build(family_config("distilbert", tok), head, num_labels=2, seed=3))
     out = save_pretrained(model, tmp_path / "export", tok)
     config = json.loads((out / "config.json").read_text())
@@ -138,7 +138,7 @@ def test_round_trip_through_transformers(head, wordpiece_dir, tmp_path):
 
 def test_attention_output_has_no_dropout(wordpiece_dir):
     # transformers' DistilBERT drops out the feed-forward output, not the attention output as BERT does.
-    tok = BertTokenizer.load(wordpiece_dir)
+    tok = Tokenizer.load(wordpiece_dir)
     layers = build(family_config("distilbert", tok), "mlm").encoder.layers
     assert all(not layer.attn_out_dropout and layer.dropout.rate == 0.1 for layer in layers)
     bert_layers = build(family_config("bert", tok), "mlm").encoder.layers
@@ -173,7 +173,7 @@ def test_untied_decoder_weight_is_refused(wordpiece_dir, tmp_path):
 
 
 def test_config_other_than_transformers_builds_is_refused(wordpiece_dir):
-    tok = BertTokenizer.load(wordpiece_dir)
+    tok = Tokenizer.load(wordpiece_dir)
     with pytest.raises(UserError, match="type_vocab_size=2"):
         build(family_config("distilbert", tok, type_vocab_size=2))
     with pytest.raises(UserError, match="layer_norm_eps=1e-05"):

@@ -31,7 +31,7 @@ from bertforge.errors import UserError
 from bertforge.model.architectures import build, key_table
 from bertforge.model.config import FAMILIES, ModelConfig, preset
 from bertforge.model.hf import load_pretrained, save_pretrained
-from bertforge.tokenizer import BertTokenizer
+from bertforge.tokenizer.load import Tokenizer
 
 TEXTS = [
     "The river city had a music school.",
@@ -70,7 +70,7 @@ def save_reference(model: torch.nn.Module, tokenizer_dir: Path, out: Path) -> Pa
 
 def reference(model_cls, tokenizer_dir: Path, out: Path, seed: int = 0, **extra) -> Path:
     """A randomly initialised transformers ELECTRA `model_cls` with a wide initialiser, saved to `out`."""
-    tok = BertTokenizer.load(tokenizer_dir)
+    tok = Tokenizer.load(tokenizer_dir)
     torch.manual_seed(seed)
     fields = {**SIZES, **extra}
     config = ElectraConfig(vocab_size=tok.vocab_size, pad_token_id=tok.pad_id, initializer_range=0.2, **fields)
@@ -107,7 +107,7 @@ def perturbed(model):
     return model
 
 
-def family_config(flavor: str, tok: BertTokenizer, **extra) -> ModelConfig:
+def family_config(flavor: str, tok: Tokenizer, **extra) -> ModelConfig:
     """The `test` preset with the family's conventions, as `init --model.flavor=...` builds it."""
     base = dataclasses.asdict(preset("test", vocab_size=tok.vocab_size, pad_token_id=tok.pad_id))
     return ModelConfig(**{**FAMILIES[flavor].apply(base), "initializer_range": 0.2, "flavor": flavor, **extra})
@@ -215,7 +215,7 @@ def test_fine_tuning_gradients_match_torch(wordpiece_dir, tmp_path):
 # ------------------------------------------------------------------------------------------------------ round trip
 @pytest.mark.parametrize("head", ["mlm", "sequence"])
 def test_round_trip_through_transformers(head, wordpiece_dir, tmp_path):
-    tok = BertTokenizer.load(wordpiece_dir)
+    tok = Tokenizer.load(wordpiece_dir)
     cfg = family_config("electra", tok, embedding_size=16)
     model = perturbed(build(cfg, head, num_labels=2, seed=3))
     out = save_pretrained(model, tmp_path / "export", tok)
@@ -273,6 +273,6 @@ def test_unsupported_option_is_refused_in_one_line(key, value, wordpiece_dir, tm
 
 
 def test_classification_activation_other_than_gelu_is_refused(wordpiece_dir):
-    tok = BertTokenizer.load(wordpiece_dir)
+    tok = Tokenizer.load(wordpiece_dir)
     with pytest.raises(UserError, match="classifier_act='tanh'"):
         build(family_config("electra", tok, classifier_act="tanh"), "sequence")

@@ -34,7 +34,7 @@ from bertforge.errors import UserError
 from bertforge.model.architectures import build, config_from_hf, key_table
 from bertforge.model.config import FAMILIES, ModelConfig
 from bertforge.model.hf import load_pretrained, save_pretrained
-from bertforge.tokenizer import BertTokenizer
+from bertforge.tokenizer.load import Tokenizer
 
 TEXTS = [
     "The river city had a music school and a church by the station.",
@@ -57,7 +57,7 @@ NO_SPECIAL_IDS = dict.fromkeys(("bos_token_id", "eos_token_id", "cls_token_id", 
 # ------------------------------------------------------------------------------------------------------- helpers
 def reference(model_cls, tokenizer_dir: Path, out: Path, biases: str = "base", **extra) -> Path:
     """A random transformers ModernBERT `model_cls` with a wide initialiser and shaken biases and norms, saved."""
-    tok = BertTokenizer.load(tokenizer_dir)
+    tok = Tokenizer.load(tokenizer_dir)
     torch.manual_seed(0)
     config = ModernBertConfig(
         vocab_size=tok.vocab_size,
@@ -83,7 +83,7 @@ def reference(model_cls, tokenizer_dir: Path, out: Path, biases: str = "base", *
 
 def pair_batch(tokenizer_dir: Path) -> dict[str, np.ndarray]:
     """Right-padded text pairs, longer than the window."""
-    tok = BertTokenizer.load(tokenizer_dir)
+    tok = Tokenizer.load(tokenizer_dir)
     encs = tok.encode_batch(TEXTS, PAIRS)
     batch = pad_batch(encs, tok.pad_id, max(len(e.ids) for e in encs))
     length = batch["attention_mask"].sum(axis=1)
@@ -211,7 +211,7 @@ def test_fine_tuning_gradients_match_torch(biases, pooling, bpe_dir, tmp_path):
     [("mlm", "base", "cls"), ("sequence", "all", "mean"), ("mlm", "none", "cls"), ("sequence", "none", "cls")],
 )
 def test_round_trip_through_transformers(head, biases, pooling, bpe_dir, tmp_path):
-    tok = BertTokenizer.load(bpe_dir)
+    tok = Tokenizer.load(bpe_dir)
     # The family's conventions (no token types, no dropout, gelu head), then this test's sizes and switches.
     family = FAMILIES["modernbert"].apply(dataclasses.asdict(ModelConfig()))
     sizes = dict(hidden_size=32, intermediate_size=48, num_layers=LAYERS, num_heads=2, max_position_embeddings=64)

@@ -11,14 +11,14 @@ import pytest
 import torch
 from transformers import AutoModelForMaskedLM, AutoTokenizer
 
-from bertforge import tokenizer_train
 from bertforge.cli import main as cli
 from bertforge.data.masking import continuation_table
 from bertforge.data.preprocess import PreprocessConfig
 from bertforge.data.preprocess import main as preprocess
 from bertforge.errors import UserError
 from bertforge.model.hf import load_pretrained
-from bertforge.tokenizer import BertTokenizer
+from bertforge.tokenizer.load import Tokenizer
+from bertforge.tokenizer.train import train_tokenizer
 
 PLACES = ["東京", "大阪", "京都", "北海道", "名古屋", "横浜", "福岡", "神戸"]
 PEOPLE = ["私", "先生", "学生", "友達", "母", "父", "子供たち", "社長"]
@@ -61,8 +61,8 @@ def test_japanese_tokenizers_pretrain_fill_a_mask_and_load_in_transformers(kind,
     raw, spaced = corpora
     text = raw if kind == "unigram" else spaced
     tok_dir = tmp_path / "tok"
-    tokenizer_train.train([str(text)], kind, 300, tok_dir, min_frequency=1)
-    ours, theirs = BertTokenizer.load(tok_dir), AutoTokenizer.from_pretrained(tok_dir)
+    train_tokenizer([str(text)], kind, 300, tok_dir, min_frequency=1)
+    ours, theirs = Tokenizer.load(tok_dir), AutoTokenizer.from_pretrained(tok_dir)
     sample = lines(text)
     assert len(sample) == 1000
     assert [e.ids for e in ours.encode_batch(sample)] == theirs(sample)["input_ids"]
@@ -107,12 +107,12 @@ def test_japanese_tokenizers_pretrain_fill_a_mask_and_load_in_transformers(kind,
 
 def test_whole_word_marks_follow_each_tokenizer(corpora, tmp_path):
     raw, spaced = corpora
-    tokenizer_train.train([str(spaced)], "wordlevel", 300, tmp_path / "wl", min_frequency=1)
-    tokenizer_train.train([str(spaced)], "unigram", 300, tmp_path / "uni")
-    word = BertTokenizer.load(tmp_path / "wl")
+    train_tokenizer([str(spaced)], "wordlevel", 300, tmp_path / "wl", min_frequency=1)
+    train_tokenizer([str(spaced)], "unigram", 300, tmp_path / "uni")
+    word = Tokenizer.load(tmp_path / "wl")
     table = continuation_table(word.tok.get_vocab(), word.vocab_size, **word.word_marks())
     assert not any(table)  # every token is a word
-    uni = BertTokenizer.load(tmp_path / "uni")
+    uni = Tokenizer.load(tmp_path / "uni")
     table = continuation_table(
         uni.tok.get_vocab(), uni.vocab_size, special=uni.special_ids()["all"], **uni.word_marks()
     )
@@ -125,12 +125,12 @@ def test_pretokenized_refuses_a_tokenizer_that_cuts_words_and_warns_on_text_with
     corpora, wordpiece_dir, tmp_path, capsys
 ):
     raw, spaced = corpora
-    tokenizer_train.train([str(raw)], "wordpiece", 300, tmp_path / "wp", min_frequency=1)
+    train_tokenizer([str(raw)], "wordpiece", 300, tmp_path / "wp", min_frequency=1)
     cfg = PreprocessConfig(tokenizer=str(tmp_path / "wp"), files=(str(spaced),), out=str(tmp_path / "a"),
                            seq_len=32, pretokenized=True)  # fmt: skip
     with pytest.raises(UserError, match="cuts the given word"):  # BERT's normaliser splits every kanji
         preprocess(cfg)
-    tokenizer_train.train([str(raw)], "wordlevel", 300, tmp_path / "wl", min_frequency=1)
+    train_tokenizer([str(raw)], "wordlevel", 300, tmp_path / "wl", min_frequency=1)
     cfg = PreprocessConfig(tokenizer=str(tmp_path / "wl"), files=(str(raw),), out=str(tmp_path / "b"),
                            seq_len=32, pretokenized=True)  # fmt: skip
     preprocess(cfg)

@@ -15,7 +15,7 @@ from test_finetune import river_rows, write_table
 # as `bertforge` does before JAX is imported; the listeners need JAX, so they come after.
 COUNTING = """
 import collections, json, sys
-from bertforge import compile_cache
+from bertforge.runtime import compile_cache
 compile_cache.enable()
 from jax import monitoring
 from bertforge.cli import main
@@ -100,7 +100,7 @@ def test_the_cache_lives_in_the_user_cache_folder_and_off_turns_it_off(model_dir
 
 CHOOSE = """
 import json, sys
-from bertforge import compile_cache
+from bertforge.runtime import compile_cache
 folder = compile_cache.enable()
 import jax
 print(json.dumps([folder, jax.config.jax_compilation_cache_dir, jax.config.jax_enable_compilation_cache,
@@ -137,7 +137,7 @@ def test_failed_cache_reads_and_writes_are_one_line_and_never_an_error():
     # JAX warns at each entry it cannot write (a full disk), as below; under -W error a warning would be an error.
     script = """
 import warnings
-from bertforge import compile_cache
+from bertforge.runtime import compile_cache
 compile_cache.say_cache_errors_once("/the/folder")
 for name in ("jit_a", "jit_b"):
     warnings.warn(f"Error writing persistent compilation cache entry for '{name}': OSError: [Errno 28] No space")

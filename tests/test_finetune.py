@@ -23,8 +23,8 @@ from bertforge.data.folds import assign_folds, bin_targets, sturges_bins
 from bertforge.model.architectures import build
 from bertforge.model.config import preset
 from bertforge.model.hf import load_pretrained, save_pretrained
-from bertforge.parallel import make_mesh
-from bertforge.tokenizer import BertTokenizer
+from bertforge.runtime.devices import make_mesh
+from bertforge.tokenizer.load import Tokenizer
 from bertforge.train import metrics
 from bertforge.train.optim import OptimConfig, make_optimizer
 from bertforge.train.sequence_step import SequenceStepConfig, compile_train_step, predict_step, train_step
@@ -340,7 +340,7 @@ def test_three_steps_equal_adamw_written_out_and_sparse_embeddings_leave_untouch
 
 def test_sparse_embeddings_on_8_devices_equal_1_device():
     # data 2 x fsdp 4: the table's rows are sharded, the batch split; the lazy update must not depend on either.
-    from bertforge.parallel import param_shardings
+    from bertforge.runtime.devices import param_shardings
 
     cfg = preset("test", hidden_dropout=0.0, attention_dropout=0.0)
     results = []
@@ -411,7 +411,7 @@ def test_cls_head_computes_only_the_first_token_of_the_last_layer_exactly():
 
 
 def test_mean_and_attention_pooling_round_trip_through_a_saved_folder(tmp_path, wordpiece_dir):
-    tok = BertTokenizer.load(wordpiece_dir)
+    tok = Tokenizer.load(wordpiece_dir)
     batch = _batch(np.random.default_rng(3), 4, 20, real=4)
     ids, mask = batch["input_ids"], batch["attention_mask"]
     for pooling in ("mean", "attention"):
@@ -464,7 +464,7 @@ def compiled_programs(caplog, *args: str) -> list[str]:
 def test_batches_compile_the_gradients_once_per_padded_length_and_the_update_once(model_dir, tmp_path, caplog):
     rows = river_rows(96, seed=1)
     data = write_table(tmp_path / "train.csv", rows)
-    tok = BertTokenizer.load(model_dir)
+    tok = Tokenizer.load(model_dir)
     lengths = [len(e.ids) for e in tok.encode_batch([r["text"] for r in rows])]
     buckets = {-(-n // 16) * 16 for n in lengths}
     run = (model_dir, data, tmp_path / "run", "--fold", "0", "--train.epochs=3")

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from bertforge.bench.flops import train_flops_per_token
 from bertforge.model.architectures import build
 from bertforge.model.config import FAMILIES, ModelConfig, preset
+from bertforge.train.flops import train_flops_per_token
 
 
 def family_config(flavor: str, **overrides) -> ModelConfig:

@@ -15,7 +15,7 @@ from fake_hub import FakeHub
 from bertforge.card import model_card
 from bertforge.cli import main as cli
 from bertforge.model.config import preset
-from bertforge.train.logging import read_metrics
+from bertforge.train.metrics_log import read_metrics
 
 TOKEN = "hf_StandInToken0123456789"
 MODEL_FILES = {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "README.md"}

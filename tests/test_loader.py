@@ -15,7 +15,7 @@ from test_preprocess import make_documents, run
 
 from bertforge.data.shards import BatchLoader, Shards
 from bertforge.errors import UserError
-from bertforge.parallel import batch_sharding, make_mesh
+from bertforge.runtime.devices import batch_sharding, make_mesh
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from flax import nnx
 
 from bertforge.model.architectures import build
 from bertforge.model.config import preset
-from bertforge.parallel import make_mesh, param_shardings
+from bertforge.runtime.devices import make_mesh, param_shardings
 from bertforge.train import loss_scale
 from bertforge.train.checkpoint import Checkpoints
 from bertforge.train.optim import OptimConfig, make_optimizer

@@ -128,7 +128,7 @@ def test_bf16_training_step_products_stay_bf16_on_cpu():
 def test_bf16_fine_tuning_step_on_8_devices_follows_1_device():
     # data 2 x fsdp 4: sharded kernels and a split batch through the bf16 products' own backward and row-major
     # copies. The float32 sums run in another order, so the updates agree to float32's precision, not to the bit.
-    from bertforge.parallel import make_mesh, param_shardings
+    from bertforge.runtime.devices import make_mesh, param_shardings
     from bertforge.train.optim import OptimConfig, make_optimizer
     from bertforge.train.sequence_step import SequenceStepConfig, compile_train_step
     from bertforge.train.step import new_train_state

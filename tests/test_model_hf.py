@@ -144,9 +144,9 @@ def test_sequence_outputs_match_transformers(flavor, model_cls, tok_fixture, num
 @pytest.mark.parametrize("flavor,tok_fixture", [("bert", "wordpiece_dir"), ("roberta", "bpe_dir")])
 @pytest.mark.parametrize("head", ["mlm", "sequence"])
 def test_round_trip_through_transformers(flavor, tok_fixture, head, request, tmp_path):
-    from bertforge.tokenizer import BertTokenizer
+    from bertforge.tokenizer.load import Tokenizer
 
-    tok = BertTokenizer.load(request.getfixturevalue(tok_fixture))
+    tok = Tokenizer.load(request.getfixturevalue(tok_fixture))
     cfg = preset("test", flavor=flavor, vocab_size=tok.vocab_size, pad_token_id=tok.pad_id, initializer_range=0.2)
     if flavor == "roberta":
         cfg = preset(

@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 from bertforge.model.architectures import build
 from bertforge.model.config import preset
-from bertforge.parallel import batch_sharding, make_mesh, param_shardings, shard_model
+from bertforge.runtime.devices import batch_sharding, make_mesh, param_shardings, shard_model
 
 
 def test_eight_simulated_devices():

@@ -14,7 +14,7 @@ from bertforge.cli import main as cli
 from bertforge.config import from_dict
 from bertforge.model.architectures import build
 from bertforge.model.config import preset
-from bertforge.parallel import make_mesh, param_shardings
+from bertforge.runtime.devices import make_mesh, param_shardings
 from bertforge.tasks import plan, pretrain
 from bertforge.tasks.pretrain import PretrainConfig
 

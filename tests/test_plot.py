@@ -10,7 +10,7 @@ import numpy as np
 from sklearn.metrics import confusion_matrix
 
 from bertforge.cli import main
-from bertforge.plot import finetune_figure, pretrain_figure
+from bertforge.tasks.plot import finetune_figure, pretrain_figure
 
 
 def _pretrain_records() -> list[dict]:

@@ -17,7 +17,7 @@ from bertforge.data.documents import split_sentences
 from bertforge.data.preprocess import PreprocessConfig
 from bertforge.data.shards import Shards
 from bertforge.errors import UserError
-from bertforge.tokenizer import BertTokenizer
+from bertforge.tokenizer.load import Tokenizer
 
 WORDS = "river city music game season film league army church school station album king war team story".split()
 
@@ -60,7 +60,7 @@ def run(tmp_path, wordpiece_dir, docs, name="out", **kwargs):
 
 
 def test_concat_loses_no_token(tmp_path, wordpiece_dir):
-    tok = BertTokenizer.load(wordpiece_dir)
+    tok = Tokenizer.load(wordpiece_dir)
     docs = make_documents()
     manifest = run(tmp_path, wordpiece_dir, docs, seq_len=32, valid_fraction=0.0, shard_size=7)
     rows, shards = rows_of(tmp_path / "out")
@@ -74,7 +74,7 @@ def test_concat_loses_no_token(tmp_path, wordpiece_dir):
 
 @pytest.mark.parametrize("mode", ["complete", "doc"])
 def test_complete_and_doc_never_split_a_sentence(mode, tmp_path, wordpiece_dir):
-    tok = BertTokenizer.load(wordpiece_dir)
+    tok = Tokenizer.load(wordpiece_dir)
     docs = make_documents(seed=1)
     seq_len = 128
     manifest = run(tmp_path, wordpiece_dir, docs, mode=mode, seq_len=seq_len, valid_fraction=0.0)
@@ -154,7 +154,7 @@ def test_interrupted_run_leaves_no_manifest_and_a_rerun_finishes(tmp_path, wordp
 
 
 def test_jsonl_parquet_gzip_and_fsspec_output(tmp_path, wordpiece_dir):
-    tok = BertTokenizer.load(wordpiece_dir)
+    tok = Tokenizer.load(wordpiece_dir)
     docs = make_documents(n_docs=20, seed=3)
     jsonl = tmp_path / "c.jsonl.gz"
     with gzip.open(jsonl, "wt", encoding="utf-8") as fh:
@@ -227,9 +227,9 @@ def test_manifest_cannot_point_outside_its_folder(tmp_path, wordpiece_dir):
 def test_other_tokenizer_and_too_long_sequences_are_refused(tmp_path, wordpiece_dir, bpe_dir):
     run(tmp_path, wordpiece_dir, make_documents(), seq_len=64)
     shards = Shards(str(tmp_path / "out"))
-    shards.check_tokenizer(BertTokenizer.load(wordpiece_dir), str(wordpiece_dir))
+    shards.check_tokenizer(Tokenizer.load(wordpiece_dir), str(wordpiece_dir))
     with pytest.raises(UserError, match=r"manifest.json was made with another tokenizer than .*bpe"):
-        shards.check_tokenizer(BertTokenizer.load(bpe_dir), str(bpe_dir))
+        shards.check_tokenizer(Tokenizer.load(bpe_dir), str(bpe_dir))
     with pytest.raises(UserError, match=r"sequences of 64 tokens do not fit the position table of the model \(32"):
         shards.check_model(max_seq_len=32, vocab_size=700, source="the model")
 

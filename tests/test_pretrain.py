@@ -19,9 +19,10 @@ from flax import nnx
 from bertforge import version
 from bertforge.cli import main as cli
 from bertforge.config import from_dict
-from bertforge.runs import RunLock, load_run
+from bertforge.model.load import load_run
+from bertforge.runs import RunLock
 from bertforge.tasks import pretrain
-from bertforge.train.logging import read_metrics
+from bertforge.train.metrics_log import read_metrics
 from bertforge.train.optim import OptimConfig, decay_mask, learning_rate
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -25,9 +25,10 @@ from bertforge.data.masking import mask_tokens
 from bertforge.data.shards import BatchLoader, Shards
 from bertforge.errors import UserError
 from bertforge.model.architectures import build, count_params
-from bertforge.runs import load_run
-from bertforge.tasks import objectives, pretrain
-from bertforge.tokenizer import BertTokenizer
+from bertforge.model.load import load_run
+from bertforge.tasks import pretrain
+from bertforge.tokenizer.load import Tokenizer
+from bertforge.train import objectives
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "pretrain"
 TEXTS = ["the river city had a music school and a church by the station", "a short one", "the king of the river"]
@@ -43,7 +44,7 @@ def test_a_modernbert_pretrains_and_its_export_gives_its_logits_in_transformers(
     assert cli(["export", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 0
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == "modernbert"
     theirs = ModernBertForMaskedLM.from_pretrained(tmp_path / "hf", attn_implementation="eager").eval()
-    tok = BertTokenizer.load(wordpiece_dir)
+    tok = Tokenizer.load(wordpiece_dir)
     encs = tok.encode_batch(TEXTS)
     batch = pad_batch(encs, tok.pad_id, max(len(e.ids) for e in encs))  # padded, longer than the local window
     assert batch["attention_mask"].sum(1).min() < batch["input_ids"].shape[1] > 8
@@ -93,7 +94,7 @@ def test_continued_pretraining_starts_at_the_loss_transformers_gives_on_the_same
     loader = BatchLoader(train, 8, seed=cfg.data.seed)
     ids = np.asarray(next(loader))
     loader.close()
-    spec = objectives.masking_spec(cfg, BertTokenizer.load(folder), train.manifest["special_ids"], 700)
+    spec = objectives.masking_spec(cfg, Tokenizer.load(folder), train.manifest["special_ids"], 700)
     mask_key, _ = jax.random.split(jax.random.fold_in(jax.random.key(cfg.train.seed), 0))
     inputs, labels = (torch.tensor(np.asarray(x), dtype=torch.long) for x in mask_tokens(mask_key, ids, spec))
     theirs = AutoModelForMaskedLM.from_pretrained(folder).eval()

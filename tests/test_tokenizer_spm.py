@@ -9,11 +9,12 @@ import random
 import unicodedata
 
 import pytest
-from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers, processors, trainers
+from tokenizers import Tokenizer as HfTokenizer
 
-from bertforge import spm
 from bertforge.errors import UserError
-from bertforge.tokenizer import BertTokenizer
+from bertforge.tokenizer import spm
+from bertforge.tokenizer.load import Tokenizer
 
 sentencepiece = pytest.importorskip("sentencepiece")
 transformers = pytest.importorskip("transformers")
@@ -88,7 +89,7 @@ def write_folder(path, model: bytes, config: dict) -> str:
     return str(path)
 
 
-def assert_same_as_transformers(ours: BertTokenizer, theirs, lines: list[str]) -> None:
+def assert_same_as_transformers(ours: Tokenizer, theirs, lines: list[str]) -> None:
     expected = theirs(lines)["input_ids"]
     got = [e.ids for e in ours.encode_batch(lines)]
     bad = [i for i, (a, b) in enumerate(zip(got, expected, strict=True)) if a != b]
@@ -134,7 +135,7 @@ def test_wire_reader_reads_what_protobuf_reads(hub_like_spm):
 
 def test_deberta_v3_folder_gives_transformers_ids(hub_like_spm, tmp_path):
     folder = write_folder(tmp_path / "deberta", hub_like_spm, DEBERTA_CONFIG)
-    ours = BertTokenizer.load(folder)
+    ours = Tokenizer.load(folder)
     theirs = transformers.DebertaV2Tokenizer.from_pretrained(folder)
     assert_same_as_transformers(ours, theirs, LINES)
     # [MASK] is not a piece: appended after the last one, as deberta-v3-base's 128000.
@@ -158,7 +159,7 @@ def test_deberta_options_give_transformers_ids(options, config, hub_like_spm, tm
     model = train_spm(LINES, vocab_size=600, **options) if options else hub_like_spm
     cfg = {**DEBERTA_CONFIG, **config} if model is hub_like_spm else config
     folder = write_folder(tmp_path / "deberta", model, cfg)
-    ours = BertTokenizer.load(folder)
+    ours = Tokenizer.load(folder)
     theirs = transformers.DebertaV2Tokenizer.from_pretrained(folder)
     assert_same_as_transformers(ours, theirs, LINES[:300])
     assert ours.vocab_size == len(theirs)
@@ -167,7 +168,7 @@ def test_deberta_options_give_transformers_ids(options, config, hub_like_spm, tm
 
 def test_deberta_matches_sentencepiece_where_nfkc_changes_nothing(hub_like_spm, tmp_path):
     """transformers 5 (and so bertforge) skip the model's NFKC charsmap; elsewhere the ids are sentencepiece's."""
-    ours = BertTokenizer.load(write_folder(tmp_path / "deberta", hub_like_spm, DEBERTA_CONFIG))
+    ours = Tokenizer.load(write_folder(tmp_path / "deberta", hub_like_spm, DEBERTA_CONFIG))
     sp = sentencepiece.SentencePieceProcessor(model_proto=hub_like_spm)
     # Also left out: special-token text, which transformers matches before normalising (sentencepiece never
     # matches control pieces, and matches user-defined ones after folding the space before them into a '▁').
@@ -181,36 +182,36 @@ def test_deberta_matches_sentencepiece_where_nfkc_changes_nothing(hub_like_spm, 
 def test_saved_deberta_tokenizer_reloads_and_loads_in_transformers(hub_like_spm, tmp_path):
     folder = write_folder(tmp_path / "deberta", hub_like_spm, DEBERTA_CONFIG)
     saved = tmp_path / "saved"
-    BertTokenizer.load(folder).save(saved)
+    Tokenizer.load(folder).save(saved)
     assert (saved / "tokenizer.json").exists() and not (saved / "spm.model").exists()
     theirs = transformers.DebertaV2Tokenizer.from_pretrained(folder)
-    assert_same_as_transformers(BertTokenizer.load(saved), theirs, LINES[:200])
-    assert_same_as_transformers(BertTokenizer.load(saved), transformers.AutoTokenizer.from_pretrained(saved), LINES)
+    assert_same_as_transformers(Tokenizer.load(saved), theirs, LINES[:200])
+    assert_same_as_transformers(Tokenizer.load(saved), transformers.AutoTokenizer.from_pretrained(saved), LINES)
 
 
 def test_pinned_added_tokens_keep_their_ids(hub_like_spm, tmp_path):
     pinned = {"800": {"content": "[MASK]", "special": True, "normalized": False}, "801": {"content": "<x>"}}
     config = {**DEBERTA_CONFIG, "added_tokens_decoder": pinned}
-    ours = BertTokenizer.load(write_folder(tmp_path / "ok", hub_like_spm, config))
+    ours = Tokenizer.load(write_folder(tmp_path / "ok", hub_like_spm, config))
     assert (ours.mask_id, ours.tok.token_to_id("<x>")) == (800, 801)
     legacy = write_folder(tmp_path / "legacy", hub_like_spm, DEBERTA_CONFIG)
     (tmp_path / "legacy" / "added_tokens.json").write_text('{"[MASK]": 800}')
-    assert BertTokenizer.load(legacy).mask_id == 800
+    assert Tokenizer.load(legacy).mask_id == 800
     config["added_tokens_decoder"] = {"805": {"content": "[MASK]", "special": True}}
     with pytest.raises(UserError, match=r"'\[MASK\]' is pinned to id 805 but gets id 800"):
-        BertTokenizer.load(write_folder(tmp_path / "bad", hub_like_spm, config))
+        Tokenizer.load(write_folder(tmp_path / "bad", hub_like_spm, config))
 
 
 def test_bad_spm_files_are_refused_with_one_line(tmp_path):
     bpe = write_folder(tmp_path / "bpe", train_spm(LINES[:300], vocab_size=500, model_type="bpe"), DEBERTA_CONFIG)
     with pytest.raises(UserError, match="a SentencePiece BPE model; bertforge reads only Unigram ones") as e:
-        BertTokenizer.load(bpe)
+        Tokenizer.load(bpe)
     assert "\n" not in str(e.value)
     good = train_spm(LINES[:300], vocab_size=500)
     for name, data in [("cut", good[: len(good) // 2]), ("lfs", b"version https://git-lfs.github.com/spec/v1\n")]:
         folder = write_folder(tmp_path / name, data, DEBERTA_CONFIG)
         with pytest.raises(UserError, match="spm.model: not a SentencePiece model file") as e:
-            BertTokenizer.load(folder)
+            Tokenizer.load(folder)
         assert "\n" not in str(e.value)
 
 
@@ -218,7 +219,7 @@ def test_bad_spm_files_are_refused_with_one_line(tmp_path):
 def modernbert_like(folder, pair_type: int) -> str:
     """A byte-level BPE like ModernBERT's: NFC, GPT-2 byte-level pieces, non-special added tokens, then [UNK] [CLS]
     [SEP] [PAD] [MASK] after the merges' vocabulary ([MASK] strips the space before it) and a BERT template."""
-    tok = Tokenizer(models.BPE())
+    tok = HfTokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
     tok.decoder = decoders.ByteLevel()
@@ -253,7 +254,7 @@ def modernbert_like(folder, pair_type: int) -> str:
 @pytest.mark.parametrize("pair_type", [0, 1])
 def test_modernbert_tokenizer_json_encodes_like_transformers(pair_type, tmp_path):
     folder = modernbert_like(tmp_path / "modernbert", pair_type)
-    ours = BertTokenizer.load(folder)
+    ours = Tokenizer.load(folder)
     theirs = transformers.AutoTokenizer.from_pretrained(folder)
     lines = LINES + ["a [MASK] b", "x|||IP_ADDRESS|||y    z", "a , b . c ! d ? e 's f n't"]
     assert_same_as_transformers(ours, theirs, lines)

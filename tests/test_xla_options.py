@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from bertforge.xla_options import COMMAND_FLAGS, tuned_xla_flags
+from bertforge.runtime.xla_options import COMMAND_FLAGS, tuned_xla_flags
 
 LEVEL = "--xla_backend_optimization_level"
 
@@ -30,7 +30,7 @@ def test_xla_takes_the_flags_it_is_given():
     # XLA stops the process at its first compilation when XLA_FLAGS names an option it does not have.
     script = (
         "import os, sys\n"
-        "from bertforge.xla_options import set_xla_flags\n"
+        "from bertforge.runtime.xla_options import set_xla_flags\n"
         "set_xla_flags('finetune')\n"
         "import jax, jax.numpy as jnp\n"
         "print(os.environ['XLA_FLAGS'], float(jax.jit(lambda x: jnp.tanh(x).sum())(jnp.ones(8))))\n"

@@ -31,10 +31,10 @@ def version() -> str:
 
 # Imported on first use, so that `bertforge --help` does not wait for JAX.
 _API = {
-    "load": ("bertforge.runs", "load_model"),
+    "load": ("bertforge.model.load", "load_model"),
     "save": ("bertforge.model.hf", "save_pretrained"),
-    "train_tokenizer": ("bertforge.tokenizer", "train"),
-    "load_tokenizer": ("bertforge.tokenizer", "BertTokenizer.load"),
+    "train_tokenizer": ("bertforge.tokenizer.train", "train_tokenizer"),
+    "load_tokenizer": ("bertforge.tokenizer.load", "Tokenizer.load"),
     "fill_mask": ("bertforge.api", "fill_mask"),
     "predict": ("bertforge.api", "predict"),
     "labels": ("bertforge.api", "labels"),
@@ -51,7 +51,7 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(f"module 'bertforge' has no attribute {name!r}")
     import importlib
 
-    from bertforge import compile_cache
+    from bertforge.runtime import compile_cache
 
     compile_cache.enable()  # before the API's first compilation, as the CLI does
 

@@ -12,13 +12,14 @@ import numpy as np
 
 from bertforge import runs
 from bertforge.model.hf import Pretrained
+from bertforge.model.load import load_model, load_models
 from bertforge.tasks import infer
 
 
 def _loaded(model: str | os.PathLike | Pretrained, head: str) -> Pretrained:
     if isinstance(model, Pretrained):
         return model
-    return runs.load_model(model, head=head, require_head=True)
+    return load_model(model, head=head, require_head=True)
 
 
 def _config(cls: type, cfg: Any, overrides: Mapping[str, Any]) -> Any:
@@ -54,7 +55,7 @@ def predict(
     if isinstance(model, Pretrained):
         models, settings = [model], {}
     else:
-        models, settings = runs.load_models(str(model))
+        models, settings = load_models(str(model))
     return infer.run_outputs(models, settings, list(texts), pairs, batch_size, max_length, truncation)
 
 
@@ -64,7 +65,7 @@ def labels(model: str | os.PathLike | Pretrained) -> list[str]:
         found = runs.fold_models(str(model))
         if found is not None:
             return list(found[1]["labels"])
-        model = runs.load_model(model, head="sequence", require_head=True)
+        model = load_model(model, head="sequence", require_head=True)
     return [model.id2label.get(i, str(i)) for i in range(model.model.num_labels)]
 
 

@@ -128,7 +128,7 @@ def model_card(
 
 def curves_png(kind: str, name: str, records: list[dict[str, Any]]) -> bytes | None:
     """The run's curves as PNG bytes; None when nothing was logged."""
-    from bertforge import plot
+    from bertforge.tasks import plot
 
     if not any("loss" in r for r in records):
         return None

@@ -22,9 +22,9 @@ def _model_keys(args: argparse.Namespace) -> list[str]:
 
 
 def _tokenizer_train(cfg: Any, args: argparse.Namespace) -> int:
-    from bertforge import tokenizer_train
+    from bertforge.tasks import tokenizer
 
-    tok = tokenizer_train.train_main(cfg, show_progress=sys.stderr.isatty())
+    tok = tokenizer.main(cfg, show_progress=sys.stderr.isatty())
     print(f"trained a {cfg.kind} tokenizer with {tok.vocab_size} tokens -> {cfg.out}")
     return 0
 
@@ -56,7 +56,7 @@ def _init(cfg: Any, args: argparse.Namespace) -> int:
 
 
 def _pretrain(cfg: Any, args: argparse.Namespace) -> int:
-    from bertforge.parallel import initialize_distributed
+    from bertforge.runtime.devices import initialize_distributed
     from bertforge.tasks import pretrain
     from bertforge.train.loop import Preempted
 
@@ -82,7 +82,7 @@ def _export(cfg: Any, args: argparse.Namespace) -> int:
 
 
 def _plot(cfg: Any, args: argparse.Namespace) -> int:
-    from bertforge import plot
+    from bertforge.tasks import plot
 
     print(f"wrote {plot.main(cfg)}")
     return 0
@@ -113,7 +113,7 @@ def _predict(cfg: Any, args: argparse.Namespace) -> int:
 
 
 def _finetune(cfg: Any, args: argparse.Namespace) -> int:
-    from bertforge.parallel import initialize_distributed
+    from bertforge.runtime.devices import initialize_distributed
     from bertforge.tasks import finetune
     from bertforge.train.loop import Preempted
 
@@ -159,7 +159,7 @@ GROUPS = {"tokenizer": "train a tokenizer"}
 COMMANDS: dict[str, Command] = {
     "tokenizer train": Command(
         "train a WordPiece, Unigram or BPE tokenizer from text files",
-        "bertforge.tokenizer_train:TokenizerTrainConfig",
+        "bertforge.tasks.tokenizer:TokenizerTrainConfig",
         _tokenizer_train,
         aliases={"--type": "kind", "--max-length": "model_max_length"},
     ),
@@ -185,7 +185,7 @@ COMMANDS: dict[str, Command] = {
     ),
     "plot": Command(
         "curves of a pretraining or fine-tuning run, as a PNG",
-        "bertforge.plot:PlotConfig",
+        "bertforge.tasks.plot:PlotConfig",
         _plot,
         positional={"run": "RUN"},
     ),
@@ -374,7 +374,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _compile_once() -> None:
     """JAX's persistent compilation cache for the command (and the processes it starts), before anything compiles."""
-    from bertforge import compile_cache
+    from bertforge.runtime import compile_cache
 
     folder = compile_cache.enable()
     if folder is not None:
@@ -388,7 +388,7 @@ def _in_multiprocess_run() -> bool:
 
 def entry() -> None:
     """The installed `bertforge` command and `python -m bertforge.cli`: the process-wide settings, then main."""
-    from bertforge import allocator, xla_options
+    from bertforge.runtime import allocator, xla_options
 
     command = sys.argv[1] if len(sys.argv) > 1 else None
     allocator.rerun_with_tuned_allocator(command)

@@ -6,7 +6,7 @@ A pretraining run (kind 'pretrain'):
     RUN/config.yaml       the whole config it runs with
     RUN/tokenizer/        its tokenizer, copied in at the start so that a resumed run uses the same one
     RUN/checkpoints/N/    train state and metadata at step N (see train/checkpoint.py)
-    RUN/metrics.jsonl     every logged step (see train/logging.py)
+    RUN/metrics.jsonl     every logged step (see train/metrics_log.py)
 
 A fine-tuning run (kind 'finetune'):
 
@@ -24,36 +24,25 @@ from __future__ import annotations
 
 import contextlib
 import csv
-import dataclasses
 import fcntl
 import json
 import os
 import re
 import socket
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import yaml
-from flax import nnx
 
 from bertforge import version
-from bertforge.config import from_dict, read_yaml, to_dict
+from bertforge.config import to_dict
 from bertforge.data import tabular
 from bertforge.errors import UserError
 from bertforge.fileio import read_json_object, write_atomic
-from bertforge.model.architectures import build, key_table
-from bertforge.model.config import ModelConfig
-from bertforge.model.hf import Pretrained, load_pretrained
-from bertforge.model.rtd import RtdConfig, build_pair, discriminator_alone
-from bertforge.tokenizer import BertTokenizer
 from bertforge.train.checkpoint import DAMAGED, Checkpoints
-from bertforge.train.loss_scale import with_loss_scale
-from bertforge.train.optim import OptimConfig, make_optimizer
-from bertforge.train.step import TrainState
 
 RUN_FILE = "run.json"
 CONFIG = "config.yaml"
@@ -210,130 +199,3 @@ def fold_models(name: str | Path) -> tuple[list[Path], dict[str, Any]] | None:
     if not folders:
         raise UserError(f"{run}: no finished fold yet")
     return folders, info
-
-
-# ------------------------------------------------------------------------------------------------------ models
-def _step(checkpoints: Checkpoints, which: str, run: Path) -> int:
-    steps = checkpoints.all_steps()
-    if not steps:
-        raise UserError(f"{run}: no checkpoint yet")
-    if which == "latest":
-        return max(steps)
-    if which == "best":
-        best = checkpoints.best_step()
-        if best is None:
-            raise UserError(f"{run}: no checkpoint has a validation loss (was there a validation split?)")
-        return best
-    if not which.isdigit() or int(which) not in steps:
-        raise UserError(f"{run}: no checkpoint at step {which} (there are {', '.join(map(str, sorted(steps)))})")
-    return int(which)
-
-
-def load_run(run: str | Path, which: str = "latest", part: str = "") -> Pretrained:
-    """The model of a pretraining run at a checkpoint ('latest': the newest whole one, 'best', or a step number),
-    with the run's tokenizer. Of a replaced-token detection run, `part` 'discriminator' (the default: alone, see
-    model/rtd.py) or 'generator'."""
-    run = Path(run)
-    if not is_run(run):
-        raise UserError(f"{run}: not a bertforge run (no {RUN_FILE} and {CHECKPOINTS}/)")
-    data = read_yaml(run / CONFIG)
-    model_cfg = from_dict(ModelConfig, data.get("model", {}), "model")
-    optim = from_dict(OptimConfig, data.get("optim", {}), "optim")
-    seed = int((data.get("train") or {}).get("seed", 0))  # the dropout keys the run's model was built with
-    rtd = data.get("objective") == "rtd"
-    if part and not rtd:
-        raise UserError(f"{run}: --part {part}: a masked-LM run has one model; parts are of replaced-token detection")
-    if rtd:
-        model: Any = build_pair(model_cfg, from_dict(RtdConfig, data.get("rtd") or {}, "rtd"), seed)
-    else:
-        model = build(model_cfg, "mlm", seed=seed)
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    tx = with_loss_scale(make_optimizer(optim, params, model_cfg.num_layers), model_cfg.dtype)
-    target = TrainState(jnp.int32(0), params, jax.eval_shape(tx.init, params))
-    checkpoints = Checkpoints(run / CHECKPOINTS)
-    try:
-        step = _step(checkpoints, which, run)
-        if which == "latest":  # the newest whole one
-            found = checkpoints.restore_newest_good(target)
-            if found is None:
-                raise UserError(f"{run}: every checkpoint is damaged")
-            step, state, _ = found
-        else:
-            state, _ = checkpoints.restore(step, target)
-    finally:
-        checkpoints.close()
-    model = nnx.merge(graphdef, state.params, rest)
-    if rtd:
-        model = model.generator if part == "generator" else discriminator_alone(model)
-    tokenizer = BertTokenizer.load(run / TOKENIZER)
-    return Pretrained(model, tokenizer, model.task, {}, None, run, [], step)
-
-
-def load_model(name: str | os.PathLike, head: str | None = None, **options: Any) -> Pretrained:
-    """The model behind `name`: a bertforge pretraining run (its newest whole checkpoint; under a sequence head its
-    encoder with a fresh head), or a Hugging Face folder or hub id. `options` are model.hf.load_pretrained's
-    keyword arguments (require_head, num_labels, need_tokenizer, dtype, seed, overrides)."""
-    if not is_run(Path(name)):
-        return load_pretrained(name, head=head, **options)
-    return _from_run(Path(name), head, **options)
-
-
-def _from_run(
-    name: Path, head, *, require_head=False, num_labels=None, need_tokenizer=True, dtype=None, seed=0, overrides=None
-) -> Pretrained:
-    del need_tokenizer  # a run always has its tokenizer
-    overrides = dict(overrides or {})
-    if dtype is not None:
-        overrides["dtype"] = dtype
-    pre = load_run(name, part="generator" if head in (None, "mlm") and _is_rtd(name) else "")
-    try:
-        cfg = dataclasses.replace(pre.model.config, **overrides)
-    except (TypeError, ValueError) as e:
-        raise UserError(f"{pre.folder}: {e}") from None
-    if head in (None, "mlm"):
-        if overrides:
-            model = build(cfg, "mlm", seed=seed)
-            nnx.update(model, nnx.state(pre.model, nnx.Param))
-            pre = dataclasses.replace(pre, model=model)
-        return pre
-    if require_head:
-        raise UserError(f"{pre.folder}: a pretraining run has a masked-LM head, not a sequence head")
-    n = num_labels or 1
-    model = build(cfg, "sequence", num_labels=n, seed=seed)
-    nnx.update(model.encoder, nnx.state(pre.model.encoder, nnx.Param))
-    missing = [row.hf for row in key_table(cfg, "sequence") if row.head]
-    id2label = {i: f"LABEL_{i}" for i in range(n)}
-    return Pretrained(model, pre.tokenizer, "sequence", id2label, None, pre.folder, missing)
-
-
-def _is_rtd(run: Path) -> bool:
-    return (read_yaml(run / CONFIG) or {}).get("objective") == "rtd"
-
-
-# What `pretrain --init-from` takes from the model section: how the model runs, not what it is.
-RUNTIME_FIELDS = ("hidden_dropout", "attention_dropout", "classifier_dropout", "dtype", "remat", "attention")
-
-
-def load_to_continue(name: str, model: ModelConfig, given: Collection[str], seed: int) -> Pretrained:
-    """The masked-LM model and tokenizer that `pretrain --init-from NAME` continues (a Hugging Face folder, hub id or
-    run; a fresh MLM head when it has none), with the fields of RUNTIME_FIELDS that the model section `given` set."""
-    other = sorted(set(given) - set(RUNTIME_FIELDS))
-    if other:
-        raise UserError(
-            f"model.{other[0]}: --init-from {name} takes the model from there; of the model section only "
-            f"{', '.join(RUNTIME_FIELDS)} apply"
-        )
-    pre = load_model(name, head="mlm", seed=seed, overrides={k: getattr(model, k) for k in given})
-    if pre.tokenizer is None:
-        raise UserError(f"{name}: has no tokenizer")
-    return pre
-
-
-def load_models(name: str | os.PathLike) -> tuple[list[Pretrained], dict[str, Any]]:
-    """The sequence model(s) behind `name`: a fine-tuning run gives its fold models (predict averages them) and its
-    run.json, whose text settings predict reuses; anything else is one model, with no settings."""
-    found = fold_models(name)
-    if found is not None:
-        folders, settings = found
-        return [load_pretrained(f, head="sequence", require_head=True) for f in folders], settings
-    return [load_model(name, head="sequence", require_head=True)], {}

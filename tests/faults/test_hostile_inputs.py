@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from test_preprocess import content, rows_of
 
 from bertforge.cli import main as cli
-from bertforge.tokenizer import BertTokenizer
+from bertforge.tokenizer.load import Tokenizer
 
 settings.register_profile(
     "ci", max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
@@ -66,7 +66,7 @@ def test_tokenizer_training_on_any_bytes(data, capsys, tally):
     argv = ["tokenizer", "train", "--files", str(tmp / "corpus.txt"), "--vocab-size", "120", "--out", str(tmp / "t")]
     code, err = outcome(argv, capsys)
     if code == 0:
-        tok = BertTokenizer.load(tmp / "t")
+        tok = Tokenizer.load(tmp / "t")
         assert tok.tokenize_ids([data.decode("utf-8", "replace")])
     else:
         assert str(tmp / "corpus.txt") in err and not (tmp / "t" / "tokenizer.json").exists()
@@ -84,7 +84,7 @@ def test_preprocessing_any_text_keeps_every_token(docs, wordpiece_dir, capsys, t
             "--seq-len", "16", "--valid-fraction", "0"]  # fmt: skip
     code, err = outcome(argv, capsys)
     kept = [d.strip() for d in docs if d.strip()]
-    tok = BertTokenizer.load(wordpiece_dir)
+    tok = Tokenizer.load(wordpiece_dir)
     expected = [t for ids in tok.tokenize_ids(kept) for t in [*ids, tok.sep_id]] if kept else []
     if code == 0:
         rows, _ = rows_of(tmp / "out")
@@ -288,6 +288,6 @@ def test_a_50_mb_line_and_a_million_tiny_documents(wordpiece_dir, tmp_path, caps
     code, err = outcome(argv, capsys)
     assert code == 0
     rows, _ = rows_of(tmp_path / "o2")
-    tok = BertTokenizer.load(wordpiece_dir)
+    tok = Tokenizer.load(wordpiece_dir)
     per_doc = len(tok.tokenize_ids(["word"])[0]) + 1  # its pieces and the [SEP] that joins documents
     assert sum(len(content(r, tok)) for r in rows) == per_doc * 1_000_000

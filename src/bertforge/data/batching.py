@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from bertforge.tokenizer import Encoded
+from bertforge.tokenizer.load import Encoded
 
 BUCKET = 32
 POOL = 16  # batches per pool of rows sorted by length

@@ -11,7 +11,7 @@ import numpy as np
 from bertforge.data import tabular
 from bertforge.data.batching import POOL
 from bertforge.errors import UserError
-from bertforge.tokenizer import TRUNCATIONS, Truncation
+from bertforge.tokenizer.load import TRUNCATIONS, Truncation
 
 
 @dataclasses.dataclass(frozen=True)

@@ -36,7 +36,7 @@ from tqdm.auto import tqdm
 from bertforge.data.documents import InputFormat, expand_files, file_size, iter_documents, split_sentences
 from bertforge.data.packing import Packer
 from bertforge.errors import UserError
-from bertforge.tokenizer import BertTokenizer
+from bertforge.tokenizer.load import Tokenizer
 
 Mode = Literal["concat", "complete", "doc"]
 MANIFEST = "manifest.json"
@@ -80,22 +80,22 @@ class PreprocessConfig:
             raise ValueError("no input files")
 
 
-def tokenizer_fingerprint(tok: BertTokenizer) -> str:
+def tokenizer_fingerprint(tok: Tokenizer) -> str:
     """sha256 of the tokenizer's canonical JSON: equal fingerprints tokenize identically."""
     return hashlib.sha256(tok.tok.to_str().encode("utf-8")).hexdigest()
 
 
 # ------------------------------------------------------------------------------------------------------ workers
-_WORKER_TOKENIZER: BertTokenizer | None = None
+_WORKER_TOKENIZER: Tokenizer | None = None
 
 
 def _init_worker(tokenizer_dir: str) -> None:
     global _WORKER_TOKENIZER
     os.environ["RAYON_NUM_THREADS"] = "1"  # one process per core: no thread pool inside each
-    _WORKER_TOKENIZER = BertTokenizer.load(tokenizer_dir)
+    _WORKER_TOKENIZER = Tokenizer.load(tokenizer_dir)
 
 
-def tokenize_chunk(docs: Sequence[str], by_sentence: bool, tok: BertTokenizer | None = None) -> list[list[np.ndarray]]:
+def tokenize_chunk(docs: Sequence[str], by_sentence: bool, tok: Tokenizer | None = None) -> list[list[np.ndarray]]:
     """Each document as a list of token-id arrays: one per sentence, or one for the whole document."""
     tok = tok or _WORKER_TOKENIZER
     assert tok is not None
@@ -110,7 +110,7 @@ def tokenize_chunk(docs: Sequence[str], by_sentence: bool, tok: BertTokenizer | 
     return out
 
 
-def _ordered_map(fn, chunks: Iterable[Any], workers: int, tokenizer_dir: str, tok: BertTokenizer) -> Iterator[Any]:
+def _ordered_map(fn, chunks: Iterable[Any], workers: int, tokenizer_dir: str, tok: Tokenizer) -> Iterator[Any]:
     """fn over chunks in order, on `workers` processes, with a bounded number of chunks in flight."""
     if workers == 1:
         for chunk in chunks:
@@ -221,7 +221,7 @@ def read_manifest(root: str) -> dict[str, Any] | None:
 
 def main(cfg: PreprocessConfig, progress: bool | None = None) -> dict[str, Any]:
     """Preprocess `cfg.files` into shards under `cfg.out`; returns the manifest."""
-    tok = BertTokenizer.load(cfg.tokenizer)
+    tok = Tokenizer.load(cfg.tokenizer)
     if cfg.seq_len > tok.model_max_length:
         raise UserError(
             f"--seq-len {cfg.seq_len} is longer than the tokenizer's model_max_length {tok.model_max_length} "
@@ -313,7 +313,7 @@ def main(cfg: PreprocessConfig, progress: bool | None = None) -> dict[str, Any]:
     return manifest
 
 
-def _write_tokenizer(fs: Any, root: str, tok: BertTokenizer) -> None:
+def _write_tokenizer(fs: Any, root: str, tok: Tokenizer) -> None:
     """A copy of the tokenizer inside the shard folder, so the folder works wherever it is moved or copied."""
     fs.makedirs(f"{root}/{TOKENIZER_DIR}", exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -325,9 +325,9 @@ def _write_tokenizer(fs: Any, root: str, tok: BertTokenizer) -> None:
             fs.mv(f"{path}.tmp", path)
 
 
-def _work_whole(chunk: list[tuple[str, str]], tok: BertTokenizer | None = None) -> list[list[np.ndarray]]:
+def _work_whole(chunk: list[tuple[str, str]], tok: Tokenizer | None = None) -> list[list[np.ndarray]]:
     return tokenize_chunk([d for _, d in chunk], False, tok)
 
 
-def _work_by_sentence(chunk: list[tuple[str, str]], tok: BertTokenizer | None = None) -> list[list[np.ndarray]]:
+def _work_by_sentence(chunk: list[tuple[str, str]], tok: Tokenizer | None = None) -> list[list[np.ndarray]]:
     return tokenize_chunk([d for _, d in chunk], True, tok)

@@ -18,7 +18,7 @@ import numpy as np
 
 from bertforge.data.shards import BatchLoader, Shards
 from bertforge.errors import UserError
-from bertforge.parallel import batch_sharding
+from bertforge.runtime.devices import batch_sharding
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,7 +23,7 @@ import numpy as np
 
 from bertforge.data.preprocess import MANIFEST, TOKENIZER_DIR, read_manifest, tokenizer_fingerprint
 from bertforge.errors import UserError
-from bertforge.tokenizer import BertTokenizer
+from bertforge.tokenizer.load import Tokenizer
 
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*\.npy")
 
@@ -63,7 +63,7 @@ class Shards:
     def pad_id(self) -> int:
         return int(self.manifest["special_ids"]["pad"])
 
-    def tokenizer(self) -> tuple[BertTokenizer, str]:
+    def tokenizer(self) -> tuple[Tokenizer, str]:
         """The tokenizer the shards were made with, and where it was read from.
 
         A shard folder carries its own copy, read through fsspec wherever the folder now is (another directory,
@@ -72,7 +72,7 @@ class Shards:
         name = self.manifest.get("tokenizer")
         if name is None:
             source = str(self.manifest.get("settings", {}).get("tokenizer", ""))
-            return BertTokenizer.load(source), source
+            return Tokenizer.load(source), source
         if name != TOKENIZER_DIR:  # a name from a file: never a path outside the folder
             raise UserError(f"{self.root}/{MANIFEST}: tokenizer {name!r} is not the folder's own '{TOKENIZER_DIR}'")
         source = f"{self.root}/{name}"
@@ -82,7 +82,7 @@ class Shards:
                     Path(tmp, file).write_bytes(self.fs.cat_file(f"{self._path}/{name}/{file}"))
                 except FileNotFoundError:
                     raise UserError(f"{source}/{file}: missing (the shard folder was copied in part)") from None
-            return BertTokenizer.load(tmp), source
+            return Tokenizer.load(tmp), source
 
     def check_tokenizer(self, tokenizer: Any, source: str) -> None:
         """The shards must have been made with this very tokenizer."""

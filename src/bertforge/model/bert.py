@@ -4,7 +4,7 @@ Post-LayerNorm transformer with learned absolute positions and token types (Devl
 only in its position ids, which start after the padding index and skip padding (Liu et al. 2019). ELECTRA and
 DistilBERT reuse these modules (electra.py, distilbert.py): a narrower embedding table projected to the hidden size,
 no token-type table, no dropout on the attention output. Parameters
-carry logical axis names ('vocab', 'embed', 'mlp', 'heads', ...); parallel.py maps them onto the device mesh.
+carry logical axis names ('vocab', 'embed', 'mlp', 'heads', ...); runtime/devices.py maps them onto the device mesh.
 Shapes: B batch, T tokens, D hidden, N heads, H head dim, F feed-forward, V vocabulary, L labels, M masked.
 """
 

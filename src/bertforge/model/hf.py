@@ -28,7 +28,7 @@ from bertforge.fileio import read_json_object, temp_folder_beside, write_atomic
 from bertforge.model.architectures import HEADS, build, config_from_hf, config_to_hf, key_table, normalise_keys
 from bertforge.model.config import ModelConfig
 from bertforge.model.heads import Model
-from bertforge.tokenizer import BertTokenizer
+from bertforge.tokenizer.load import Tokenizer
 
 PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
 
@@ -152,7 +152,7 @@ def export_weights(model: Model, head: str) -> dict[str, np.ndarray]:
 @dataclasses.dataclass
 class Pretrained:
     model: Model
-    tokenizer: BertTokenizer | None
+    tokenizer: Tokenizer | None
     head: str
     id2label: dict[int, str]
     problem_type: str | None
@@ -206,7 +206,7 @@ def load_pretrained(
     seed: int = 0,
     overrides: dict[str, Any] | None = None,
 ) -> Pretrained:
-    """Load a Hugging Face BERT/RoBERTa folder (or hub id) into a bertforge model; runs.load_model takes runs too.
+    """Load a Hugging Face BERT/RoBERTa folder (or hub id) into a bertforge model; model.load.load_model takes runs too.
 
     head None takes the head that config.json names (a bare encoder gets the MLM head). With `require_head` a
     checkpoint without that head's weights is an error; otherwise the head starts fresh and is listed.
@@ -226,7 +226,7 @@ def load_pretrained(
     files = weight_files(folder)  # refuses pickles before anything else is read
     tokenizer = None
     if need_tokenizer:
-        tokenizer = BertTokenizer.load(folder)
+        tokenizer = Tokenizer.load(folder)
         if tokenizer.vocab_size > cfg.vocab_size:
             raise UserError(
                 f"{folder}: the tokenizer has {tokenizer.vocab_size} tokens but the model's embedding table "
@@ -253,7 +253,7 @@ def _with_overrides(cfg: ModelConfig, overrides: dict[str, Any], source: str) ->
 def save_pretrained(
     model: Model,
     out: str | os.PathLike,
-    tokenizer: BertTokenizer | None = None,
+    tokenizer: Tokenizer | None = None,
     id2label: dict[int, str] | None = None,
     extra_files: dict[str, str | bytes] | None = None,
 ) -> Path:

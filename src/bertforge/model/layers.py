@@ -16,8 +16,8 @@ from bertforge.model.layout import row_major
 
 
 def axes(*names: str | None) -> dict[str, Any]:
-    """Variable metadata giving a parameter's logical axis names (parallel.py maps them onto the mesh)."""
-    # Eager sharding off so that a model builds without a mesh (parallel.py shards it).
+    """Variable metadata giving a parameter's logical axis names (runtime/devices.py maps them onto the mesh)."""
+    # Eager sharding off so that a model builds without a mesh (runtime/devices.py shards it).
     return {"out_sharding": names, "eager_sharding": False}
 
 

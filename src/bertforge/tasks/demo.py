@@ -16,14 +16,15 @@ from typing import Any
 
 import numpy as np
 
-from bertforge import runs, tokenizer_train
 from bertforge.config import from_dict
 from bertforge.data import preprocess, tabular
 from bertforge.data.builtin import stdlib_docstrings, stdlib_module_task, write_stdlib_corpus
 from bertforge.model.config import preset
 from bertforge.model.hf import Pretrained, save_pretrained
+from bertforge.model.load import load_model, load_models, load_run
 from bertforge.tasks import finetune, infer, init, pretrain
 from bertforge.tasks.init import InitConfig
+from bertforge.tokenizer.train import train_tokenizer
 
 PROMPTS = (
     "Return the [MASK] of the list.",
@@ -91,7 +92,7 @@ def _folds(run: int, k: int) -> str:
 
 def _predict(run: Path, test: list[dict[str, str]], out: Path) -> float:
     """Predictions of a run's folds (averaged) on the held-out rows, written to `out`; returns their accuracy."""
-    models, settings = runs.load_models(str(run))
+    models, settings = load_models(str(run))
     logits = infer.run_outputs(models, settings, [r["text"] for r in test], None, 64, None, None)
     names = settings["labels"]
     predicted = [names[i] for i in np.argmax(logits, axis=1)]
@@ -128,9 +129,7 @@ def main(cfg: DemoConfig) -> dict[str, Any]:
     timings["task + corpus"] = time.perf_counter() - t
 
     t = stage(f"tokenizer: WordPiece, {cfg.vocab_size} tokens")
-    tok = tokenizer_train.train(
-        [str(out / "corpus.txt")], "wordpiece", cfg.vocab_size, out / "tokenizer", lowercase=True
-    )
+    tok = train_tokenizer([str(out / "corpus.txt")], "wordpiece", cfg.vocab_size, out / "tokenizer", lowercase=True)
     sample = "Return a new dictionary initialized from an optional positional argument."
     pieces = [tok.id_to_token(i) for i in tok.encode(sample).ids]
     print(f"{tok.vocab_size} tokens -> {out / 'tokenizer'}\n{sample!r} ->\n  {' '.join(pieces)}")
@@ -160,7 +159,7 @@ def main(cfg: DemoConfig) -> dict[str, Any]:
     fresh = init.main(
         InitConfig(model=preset(cfg.preset, **NO_DROPOUT)), str(out / "tokenizer"), str(out / "model-init")
     )
-    _show_fill_mask(runs.load_model(fresh, head="mlm", require_head=True))
+    _show_fill_mask(load_model(fresh, head="mlm", require_head=True))
     timings["fill-mask before"] = time.perf_counter() - t
 
     budget = f"{cfg.minutes:g} minutes" if cfg.minutes else f"{cfg.steps} steps"
@@ -188,7 +187,7 @@ def main(cfg: DemoConfig) -> dict[str, Any]:
     timings["pretrain"] = time.perf_counter() - t
 
     t = stage("export as a Hugging Face folder, then fill-mask after pretraining")
-    trained = runs.load_run(out / "run")
+    trained = load_run(out / "run")
     save_pretrained(trained.model, out / "model", trained.tokenizer)
     print(f"-> {out / 'model'} (loads with transformers.AutoModelForMaskedLM)")
     _show_fill_mask(trained)

@@ -16,8 +16,9 @@ from bertforge.config import read_yaml
 from bertforge.errors import UserError
 from bertforge.model.heads import Model
 from bertforge.model.hf import save_pretrained
-from bertforge.tokenizer import BertTokenizer
-from bertforge.train.logging import read_metrics
+from bertforge.model.load import load_run
+from bertforge.tokenizer.load import Tokenizer
+from bertforge.train.metrics_log import read_metrics
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +45,7 @@ class ExportConfig:
 
 def export_pretrained(
     model: Model,
-    tokenizer: BertTokenizer,
+    tokenizer: Tokenizer,
     run: str | Path,
     out: str | Path,
     step: int,
@@ -78,7 +79,7 @@ def main(cfg: ExportConfig) -> tuple[Path | None, str | None]:
     folder (None when it was a temporary one) and the Hub commit's URL (None without a push)."""
     if not cfg.out and not cfg.push_to_hub:
         raise UserError("nowhere to export to: give --out FOLDER, --push-to-hub ORG/NAME, or both")
-    pre = runs.load_run(cfg.run, cfg.step, cfg.part)
+    pre = load_run(cfg.run, cfg.step, cfg.part)
     assert pre.tokenizer is not None and pre.step is not None
     card = {"language": cfg.language, "datasets": cfg.datasets, "license": cfg.license}
     name = cfg.push_to_hub

@@ -25,13 +25,14 @@ from bertforge.data.labelled import DataConfig, Table, read_table, sorted_classe
 from bertforge.errors import UserError
 from bertforge.model import dropout
 from bertforge.model.hf import Pretrained
-from bertforge.parallel import MeshConfig, build_mesh, param_shardings
+from bertforge.model.load import load_model
+from bertforge.runtime.devices import MeshConfig, build_mesh, param_shardings
 from bertforge.tasks.finetune_fold import Job, TrainConfig, scores, train_fold
 from bertforge.tasks.infer import prediction_table
 from bertforge.train import metrics
 from bertforge.train.ahead import Ahead
-from bertforge.train.logging import LogConfig
 from bertforge.train.loss_scale import with_loss_scale
+from bertforge.train.metrics_log import LogConfig
 from bertforge.train.optim import OptimConfig, make_optimizer
 from bertforge.train.sequence_step import DEFAULT_LOSS, LOSSES, SequenceStepConfig, compile_train_step, predict_step
 from bertforge.train.step import new_train_state
@@ -100,7 +101,7 @@ def _setup(cfg: FinetuneConfig) -> tuple[Pretrained, Table, Table | None, list[i
     for name in ("hidden_dropout", "attention_dropout", "classifier_dropout"):
         if getattr(h, name) is not None:
             overrides[name] = getattr(h, name)
-    pre = runs.load_model(cfg.model, head="sequence", num_labels=num_labels, seed=cfg.train.seed, overrides=overrides)
+    pre = load_model(cfg.model, head="sequence", num_labels=num_labels, seed=cfg.train.seed, overrides=overrides)
     pre.id2label = dict(enumerate(classes if classes is not None else cfg.data.target_columns))
     return pre, table, valid, run, folds
 

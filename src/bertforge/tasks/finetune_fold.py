@@ -23,12 +23,12 @@ from bertforge.data.labelled import Table
 from bertforge.errors import UserError
 from bertforge.hub import HubConfig, Publisher
 from bertforge.model.hf import Pretrained, save_pretrained
-from bertforge.parallel import fetch, global_array
+from bertforge.runtime.devices import fetch, global_array
 from bertforge.tasks.infer import INPUTS, outputs_by_length
-from bertforge.tokenizer import Encoded
+from bertforge.tokenizer.load import Encoded
 from bertforge.train import loop, metrics
 from bertforge.train.checkpoint import Checkpoints
-from bertforge.train.logging import LogConfig, MetricsLog, read_metrics
+from bertforge.train.metrics_log import LogConfig, MetricsLog, read_metrics
 from bertforge.train.optim import OptimConfig, learning_rate, warmup_fraction
 from bertforge.train.sequence_step import LOSSES
 from bertforge.train.step import TrainState, new_train_state

@@ -13,13 +13,13 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from bertforge import runs
 from bertforge.data import tabular
 from bertforge.data.batching import BUCKET, bucket_length, by_length, pad_batch, padded_length
 from bertforge.errors import UserError
 from bertforge.model.heads import MaskedLM, SequenceClassifier
 from bertforge.model.hf import Pretrained
-from bertforge.tokenizer import TRUNCATIONS, BertTokenizer, Encoded, Truncation
+from bertforge.model.load import load_model, load_models
+from bertforge.tokenizer.load import TRUNCATIONS, Encoded, Tokenizer, Truncation
 
 
 # ------------------------------------------------------------------------------------------------------ fill-mask
@@ -41,7 +41,7 @@ def fill_mask(pre: Pretrained, texts: Sequence[str], top_k: int = 5) -> list[lis
     """For each text, for each mask in it, the `top_k` tokens: {score, token, token_str, sequence}."""
     if not isinstance(pre.model, MaskedLM):
         raise UserError(f"{pre.folder}: not a masked-LM model")
-    tok: BertTokenizer = pre.tokenizer
+    tok: Tokenizer = pre.tokenizer
     cfg = pre.model.config
     texts = [t.replace("[MASK]", tok.mask_token) for t in texts]  # "[MASK]" works for every model
     encs = tok.encode_batch(texts)
@@ -84,7 +84,7 @@ def fill_mask(pre: Pretrained, texts: Sequence[str], top_k: int = 5) -> list[lis
 def fill_mask_main(cfg: FillMaskConfig) -> list[list[list[dict[str, Any]]]]:
     if cfg.top_k < 1:
         raise UserError(f"--top-k must be at least 1, got {cfg.top_k}")
-    pre = runs.load_model(cfg.model, head="mlm", require_head=True)
+    pre = load_model(cfg.model, head="mlm", require_head=True)
     return fill_mask(pre, cfg.texts, cfg.top_k)
 
 
@@ -184,14 +184,14 @@ def run_outputs(
     max_length: int | None,
     truncation: str | None,
 ) -> np.ndarray:
-    """predict_outputs of runs.load_models' result: a fine-tuning run's length and truncation where none is given."""
+    """predict_outputs of load_models' result: a fine-tuning run's length and truncation where none is given."""
     max_length = max_length or settings.get("max_length")
     truncation = truncation or settings.get("truncation") or "head"
     return predict_outputs(models, texts, pairs, batch_size, max_length, truncation)
 
 
 def predict_main(cfg: PredictConfig) -> np.ndarray:
-    models, settings = runs.load_models(cfg.model)
+    models, settings = load_models(cfg.model)
     columns, rows = tabular.read_table(cfg.data, quoted_tsv=cfg.quoted_tsv)
     if not rows:
         raise UserError(f"{cfg.data}: no rows")

@@ -10,7 +10,7 @@ from bertforge.errors import UserError
 from bertforge.model.architectures import build
 from bertforge.model.config import ModelConfig, preset
 from bertforge.model.hf import save_pretrained
-from bertforge.tokenizer import BertTokenizer
+from bertforge.tokenizer.load import Tokenizer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,7 +25,7 @@ class InitConfig:
             raise ValueError(f"num_labels must be at least 1, got {self.num_labels}")
 
 
-def fit_to_tokenizer(cfg: ModelConfig, tokenizer: BertTokenizer, vocab_given: bool) -> ModelConfig:
+def fit_to_tokenizer(cfg: ModelConfig, tokenizer: Tokenizer, vocab_given: bool) -> ModelConfig:
     """The model's vocabulary and pad id follow the tokenizer unless the config fixed the vocabulary size."""
     if vocab_given and tokenizer.vocab_size > cfg.vocab_size:
         raise UserError(
@@ -37,7 +37,7 @@ def fit_to_tokenizer(cfg: ModelConfig, tokenizer: BertTokenizer, vocab_given: bo
 
 
 def main(cfg: InitConfig, tokenizer_dir: str, out: str, vocab_given: bool = False) -> Path:
-    tokenizer = BertTokenizer.load(tokenizer_dir)
+    tokenizer = Tokenizer.load(tokenizer_dir)
     model_cfg = fit_to_tokenizer(cfg.model, tokenizer, vocab_given)
     model = build(model_cfg, cfg.head, cfg.num_labels, cfg.seed)
     return save_pretrained(model, out, tokenizer)

@@ -1,7 +1,7 @@
 """`bertforge plan`: memory per device of a pretraining config on a mesh, before paying for the mesh.
 
 Parameters, optimizer state and gradients are counted exactly from the model's shapes and the sharding rules of
-parallel.py. Activations are the buffers the compiled step keeps alive at its peak, counted per layer:
+runtime/devices.py. Activations are the buffers the compiled step keeps alive at its peak, counted per layer:
 
     16 (tokens x hidden) + 4 (tokens x intermediate) + 4 (heads x length^2 per sequence)   float32 values
 
@@ -32,7 +32,7 @@ from bertforge.data.shards import Shards
 from bertforge.errors import UserError
 from bertforge.model.architectures import architecture, build
 from bertforge.model.config import ModelConfig
-from bertforge.parallel import (
+from bertforge.runtime.devices import (
     MESH_AXES,
     batch_sharding,
     build_mesh,
@@ -42,10 +42,10 @@ from bertforge.parallel import (
     param_shardings,
     spec_for,
 )
-from bertforge.tasks import objectives
-from bertforge.tasks.objectives import compile_steps
 from bertforge.tasks.pretrain import PretrainConfig
+from bertforge.train import objectives
 from bertforge.train.loss_scale import with_loss_scale
+from bertforge.train.objectives import compile_steps
 from bertforge.train.optim import make_optimizer
 from bertforge.train.step import abstract_train_state, prediction_capacity
 

@@ -18,7 +18,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from bertforge import hub, runs
-from bertforge.bench.flops import device_peak_flops
 from bertforge.config import to_dict
 from bertforge.data.ramp import Ramp, make_loader, ramp_of
 from bertforge.data.shards import Shards
@@ -26,16 +25,17 @@ from bertforge.errors import UserError
 from bertforge.fileio import write_folder_atomic
 from bertforge.model.architectures import SEGMENT_FLAVORS, count_params
 from bertforge.model.config import ModelConfig, preset
+from bertforge.model.load import load_to_continue
 from bertforge.model.rtd import RtdConfig, generator_config
-from bertforge.parallel import MeshConfig, build_mesh, fetch, param_shardings, process_0s
-from bertforge.tasks import objectives
+from bertforge.runtime.devices import MeshConfig, build_mesh, fetch, param_shardings, process_0s
 from bertforge.tasks.export import export_pretrained
 from bertforge.tasks.init import fit_to_tokenizer
-from bertforge.tokenizer import BertTokenizer
-from bertforge.train import loop
+from bertforge.tokenizer.load import Tokenizer
+from bertforge.train import loop, objectives
 from bertforge.train.checkpoint import Checkpoints
-from bertforge.train.logging import LogConfig, MetricsLog
+from bertforge.train.flops import device_peak_flops
 from bertforge.train.loss_scale import with_loss_scale
+from bertforge.train.metrics_log import LogConfig, MetricsLog
 from bertforge.train.optim import OptimConfig, learning_rate, make_optimizer, warmup_fraction
 from bertforge.train.step import TrainState, new_train_state
 
@@ -174,11 +174,11 @@ def _main(
         raise UserError(f"--init-from {cfg.init_from}: continuing from a model is for objective mlm, not rtd")
     if cfg.objective == "rtd" and cfg.model.dtype == "float16":
         raise UserError("model.dtype=float16 is for objective mlm: replaced-token detection has no loss scale")
-    init = runs.load_to_continue(cfg.init_from, cfg.model, model_keys, cfg.train.seed) if cfg.init_from else None
+    init = load_to_continue(cfg.init_from, cfg.model, model_keys, cfg.train.seed) if cfg.init_from else None
     if init is not None:
         tokenizer, tokenizer_dir = init.tokenizer, f"{cfg.init_from} (--init-from)"
     elif tokenizer_dir:
-        tokenizer = BertTokenizer.load(tokenizer_dir)
+        tokenizer = Tokenizer.load(tokenizer_dir)
     else:
         tokenizer, tokenizer_dir = train_shards.tokenizer()
     train_shards.check_tokenizer(tokenizer, tokenizer_dir)

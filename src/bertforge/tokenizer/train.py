@@ -5,28 +5,28 @@ start of a text only, so text without spaces (Japanese, Chinese) is segmented as
 spaces. The word-level tokenizer is for text whose words are already separated by spaces (segmented by MeCab,
 Sudachi or Jieba, as fairseq's `--tokenizer space` takes it): every word is a token, the rare ones [UNK].
 
-The result is a folder that `transformers.AutoTokenizer.from_pretrained` and `BertTokenizer.load` read.
+The result is a folder that `transformers.AutoTokenizer.from_pretrained` and `Tokenizer.load` read.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers, trainers
+from tokenizers import Tokenizer as HfTokenizer
 
 from bertforge.data.documents import expand_files, iter_documents
 from bertforge.errors import UserError
-from bertforge.tokenizer import STYLES, BertTokenizer, Style, post_processor, vocab_order
+from bertforge.tokenizer.load import STYLES, Tokenizer, post_processor, vocab_order
 
 Kind = Literal["wordpiece", "unigram", "bpe", "wordlevel"]
 KINDS: tuple[str, ...] = get_args(Kind)
 
 
-def build_untrained(kind: str, style: str, lowercase: bool) -> tuple[Tokenizer, Any]:
+def build_untrained(kind: str, style: str, lowercase: bool) -> tuple[HfTokenizer, Any]:
     """An untrained tokenizers pipeline for `kind` and the trainer that fits it."""
     if kind not in KINDS:
         raise UserError(f"unknown tokenizer type '{kind}' (choose from {', '.join(KINDS)})")
@@ -36,14 +36,14 @@ def build_untrained(kind: str, style: str, lowercase: bool) -> tuple[Tokenizer, 
     # The mask token swallows the space before it, so "a <mask>." tokenizes like "a word." (as RoBERTa does).
     specials = [AddedToken(t, special=True, lstrip=(t == s.mask and style == "roberta")) for t in vocab_order(style)]
     if kind == "wordpiece":
-        tok = Tokenizer(models.WordPiece(unk_token=s.unk, continuing_subword_prefix="##"))
+        tok = HfTokenizer(models.WordPiece(unk_token=s.unk, continuing_subword_prefix="##"))
         tok.normalizer = normalizers.BertNormalizer(clean_text=True, lowercase=lowercase, strip_accents=lowercase)
         tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
         tok.decoder = decoders.WordPiece(prefix="##")
         trainer = trainers.WordPieceTrainer
         extra: dict[str, Any] = {"continuing_subword_prefix": "##"}
     elif kind == "unigram":
-        tok = Tokenizer(models.Unigram())
+        tok = HfTokenizer(models.Unigram())
         norms = [normalizers.NFKC()] + ([normalizers.Lowercase()] if lowercase else [])
         tok.normalizer = normalizers.Sequence(norms)
         # '▁' before the first word only, not after every special token: "東京は[MASK]の" must not become "▁の".
@@ -52,14 +52,14 @@ def build_untrained(kind: str, style: str, lowercase: bool) -> tuple[Tokenizer, 
         trainer = trainers.UnigramTrainer
         extra = {"unk_token": s.unk}
     elif kind == "wordlevel":
-        tok = Tokenizer(models.WordLevel(unk_token=s.unk))
+        tok = HfTokenizer(models.WordLevel(unk_token=s.unk))
         if lowercase:
             tok.normalizer = normalizers.Lowercase()
         tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()  # the given words, never split further
         trainer = trainers.WordLevelTrainer
         extra = {}
     else:  # byte-level BPE, as GPT-2 and RoBERTa
-        tok = Tokenizer(models.BPE())
+        tok = HfTokenizer(models.BPE())
         if lowercase:
             tok.normalizer = normalizers.Lowercase()
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -69,23 +69,7 @@ def build_untrained(kind: str, style: str, lowercase: bool) -> tuple[Tokenizer, 
     return tok, (trainer, specials, extra)
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class TokenizerTrainConfig:
-    files: tuple[str, ...]  # text files: paths, globs or fsspec URLs
-    kind: Kind = "wordpiece"
-    vocab_size: int = 30522
-    out: str  # folder to write tokenizer.json and tokenizer_config.json
-    lowercase: bool = False
-    style: Style | None = None  # special tokens (default: roberta for bpe)
-    min_frequency: int = 2
-    model_max_length: int = 512  # model_max_length written for transformers
-
-
-def train_main(cfg: TokenizerTrainConfig, show_progress: bool = False) -> BertTokenizer:
-    return train(**dataclasses.asdict(cfg), show_progress=show_progress)  # the fields are train's arguments
-
-
-def train(
+def train_tokenizer(
     files: Sequence[str],
     kind: str,
     vocab_size: int,
@@ -95,7 +79,7 @@ def train(
     min_frequency: int = 2,
     model_max_length: int = 512,
     show_progress: bool = False,
-) -> BertTokenizer:
+) -> Tokenizer:
     """Train a tokenizer on text files and save it as an AutoTokenizer-loadable folder `out`."""
     style = style or ("roberta" if kind == "bpe" else "bert")
     if vocab_size < 16:
@@ -121,12 +105,12 @@ def train(
     if pinned:
         tok = _drop_added_tokens(tok, set(pinned))
     tok.post_processor = post_processor(tok, style)
-    result = BertTokenizer(tok, STYLES[style], lowercase=lowercase, model_max_length=model_max_length)
+    result = Tokenizer(tok, STYLES[style], lowercase=lowercase, model_max_length=model_max_length)
     result.save(out)
     return result
 
 
-def continuation_chars(tok: Tokenizer, lines: Iterable[str], chunk_chars: int = 1 << 20) -> set[str]:
+def continuation_chars(tok: HfTokenizer, lines: Iterable[str], chunk_chars: int = 1 << 20) -> set[str]:
     """Characters that follow another inside a pre-tokenized word: the ones the trainer makes '##c' pieces of."""
     found: set[str] = set()
     chunk: list[str] = []
@@ -149,7 +133,7 @@ def continuation_chars(tok: Tokenizer, lines: Iterable[str], chunk_chars: int = 
     return found
 
 
-def _drop_added_tokens(tok: Tokenizer, names: set[str]) -> Tokenizer:
+def _drop_added_tokens(tok: HfTokenizer, names: set[str]) -> HfTokenizer:
     data = json.loads(tok.to_str())
     data["added_tokens"] = [t for t in data["added_tokens"] if t["content"] not in names]
-    return Tokenizer.from_str(json.dumps(data))
+    return HfTokenizer.from_str(json.dumps(data))

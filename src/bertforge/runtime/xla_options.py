@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from bertforge.allocator import runs_on_cpu
+from bertforge.runtime.allocator import runs_on_cpu
 
 COMMAND_FLAGS = {"finetune": ("--xla_backend_optimization_level=1",)}
 

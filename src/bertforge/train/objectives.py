@@ -12,21 +12,21 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from bertforge.bench.flops import train_flops_per_token
 from bertforge.data.masking import MaskingSpec, continuation_table
 from bertforge.data.shards import Shards
 from bertforge.model.architectures import build
 from bertforge.model.config import ModelConfig
 from bertforge.model.heads import Model
 from bertforge.model.rtd import Pair, build_pair, discriminator_alone, generator_config
-from bertforge.parallel import fetch, global_array
-from bertforge.tokenizer import BertTokenizer
+from bertforge.runtime.devices import fetch, global_array
+from bertforge.tokenizer.load import Tokenizer
 from bertforge.train import loop, rtd_step
+from bertforge.train.flops import train_flops_per_token
 from bertforge.train.metrics import binary_auc
 from bertforge.train.step import StepConfig, eval_sums, prediction_capacity, train_step
 
 
-def masking_spec(cfg: Any, tokenizer: BertTokenizer, special: dict[str, Any], vocab: int) -> MaskingSpec:
+def masking_spec(cfg: Any, tokenizer: Tokenizer, special: dict[str, Any], vocab: int) -> MaskingSpec:
     """The masks of pretraining config `cfg` for `tokenizer` (whole words when cfg.mlm.whole_word)."""
     continues = ()
     if cfg.mlm.whole_word:

@@ -14,7 +14,7 @@ import numpy as np
 
 from bertforge import runs
 from bertforge.errors import UserError
-from bertforge.train.logging import METRICS, read_metrics
+from bertforge.train.metrics_log import METRICS, read_metrics
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Load tokenizers (Hugging Face `tokenizers`) and encode with head, tail or head+tail truncation.
 
-A tokenizer (trained by tokenizer_train.py) is a folder that `transformers.AutoTokenizer.from_pretrained` loads:
+A tokenizer (trained by train.py) is a folder that `transformers.AutoTokenizer.from_pretrained` loads:
 tokenizer.json plus tokenizer_config.json naming the special tokens.
 """
 
@@ -14,7 +14,9 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 from tokenizers import (
-    Tokenizer,
+    Tokenizer as HfTokenizer,
+)
+from tokenizers import (
     decoders,
     models,
     normalizers,
@@ -22,9 +24,9 @@ from tokenizers import (
     processors,
 )
 
-from bertforge import spm
 from bertforge.errors import UserError
 from bertforge.fileio import read_json_object, write_atomic
+from bertforge.tokenizer import spm
 
 Truncation = Literal["head", "tail", "head+tail"]
 TRUNCATIONS: tuple[str, ...] = get_args(Truncation)
@@ -53,7 +55,7 @@ def vocab_order(style: str) -> list[str]:
     return [s.pad, s.unk, s.cls, s.sep, s.mask]
 
 
-def post_processor(tok: Tokenizer, style: str) -> Any:
+def post_processor(tok: HfTokenizer, style: str) -> Any:
     s = STYLES[style]
     cls_id, sep_id = tok.token_to_id(s.cls), tok.token_to_id(s.sep)
     if style == "roberta":
@@ -137,12 +139,12 @@ def _split_specials(enc: Any) -> list[tuple[list[int], list[int]]]:
     return groups
 
 
-class BertTokenizer:
+class Tokenizer:
     """A `tokenizers.Tokenizer` with its special tokens, encoding with bertforge's truncation strategies."""
 
     def __init__(
         self,
-        tok: Tokenizer,
+        tok: HfTokenizer,
         specials: SpecialTokens,
         lowercase: bool | None = None,
         model_max_length: int = 512,
@@ -313,7 +315,7 @@ class BertTokenizer:
         write_atomic(out / "tokenizer_config.json", json.dumps(self.config_json(), indent=2) + "\n")
 
     @classmethod
-    def load(cls, folder: str | Path) -> BertTokenizer:
+    def load(cls, folder: str | Path) -> Tokenizer:
         """Load from a folder with tokenizer.json (or a BERT vocab.txt, or DeBERTa's SentencePiece spm.model);
         special tokens from tokenizer_config.json."""
         folder = Path(folder)
@@ -321,7 +323,7 @@ class BertTokenizer:
         config, special_map = (read_json_object(p) if p.exists() else {} for p in optional.values())
         if (folder / "tokenizer.json").exists():
             try:
-                tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+                tok = HfTokenizer.from_file(str(folder / "tokenizer.json"))
             except Exception as e:  # tokenizers raises a bare Exception on malformed files
                 raise UserError(f"{folder / 'tokenizer.json'}: not a valid tokenizer file ({e})") from None
         elif (folder / "vocab.txt").exists():
@@ -346,7 +348,7 @@ def _token_str(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _special_tokens(tok: Tokenizer, config: dict, special_map: dict, folder: Path) -> SpecialTokens:
+def _special_tokens(tok: HfTokenizer, config: dict, special_map: dict, folder: Path) -> SpecialTokens:
     found: dict[str, str] = {}
     vocab = tok.get_vocab(with_added_tokens=True)
     for name in ("cls", "sep", "pad", "mask", "unk"):
@@ -362,12 +364,12 @@ def _special_tokens(tok: Tokenizer, config: dict, special_map: dict, folder: Pat
     return SpecialTokens(**found)
 
 
-def _wordpiece_from_vocab(path: Path, lowercase: bool) -> Tokenizer:
+def _wordpiece_from_vocab(path: Path, lowercase: bool) -> HfTokenizer:
     vocab = {}
     with open(path, encoding="utf-8") as fh:
         for i, line in enumerate(fh):
             vocab[line.rstrip("\n")] = i
-    tok = Tokenizer(models.WordPiece(vocab=vocab, unk_token="[UNK]", continuing_subword_prefix="##"))
+    tok = HfTokenizer(models.WordPiece(vocab=vocab, unk_token="[UNK]", continuing_subword_prefix="##"))
     tok.normalizer = normalizers.BertNormalizer(clean_text=True, lowercase=lowercase, strip_accents=lowercase)
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     tok.decoder = decoders.WordPiece(prefix="##")

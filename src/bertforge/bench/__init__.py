@@ -1,1 +1,0 @@
-"""Throughput, FLOPs and MFU."""

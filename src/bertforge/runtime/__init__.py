@@ -1,0 +1,1 @@
+"""Where programs run: devices and the mesh, XLA options, the allocator, the compile cache."""
