@@ -1,25 +1,18 @@
 """Host memory allocator settings for XLA's CPU runtime, applied by running the command again once at start-up.
 
-XLA on CPU allocates and frees its large temporary buffers at every step. With glibc's defaults, each buffer over
-its mmap threshold goes back to the kernel when freed and is faulted in again, 4 KiB page by 4 KiB page, at the next
-step: fine-tuning MiniLM at a batch of 16 x 224 tokens on 2 cores took about 290,000 page faults and 0.44 s of kernel
-time per 0.96 s step. Keeping freed memory in the process (higher mmap and trim thresholds) and backing it with
-transparent huge pages (`glibc.malloc.hugetlb=1`) brings that to about 1,000 faults and the step to 0.73 s. PyTorch
-keeps the same step time either way. glibc reads these tunables only when a process starts, hence the re-run.
+XLA on CPU allocates and frees its large temporary buffers at every step. With glibc's defaults each buffer over the
+mmap threshold goes back to the kernel when freed and is faulted in again, page by page, at the next step; keeping
+freed memory in the process (higher mmap and trim thresholds) and backing it with transparent huge pages removes
+those faults. glibc reads these tunables only when a process starts, hence the re-run.
 
 `bertforge finetune` also puts every thread on glibc's main heap (`arena_max=1`) and never maps a buffer on its own
-(`mmap_max=0`). XLA runs its programs on worker threads, which glibc gives heaps of their own of at most 64 MiB, and
-glibc unmaps such a heap whenever it is left empty, whatever the trim threshold: a fine-tuning step then faults in
-its temporaries again, as do buffers over the 32 MiB the mmap threshold can reach (an attention's probabilities at
-16 x 12 x 224 x 224 float32 are 37 MiB). With both, MiniLM's step on CommonLit (16 x 192-256 tokens, bf16, 2
-cores) took about 0.6 s against 0.75-1.0 s, the training steps of a short-text run 12% less time, and the kernel's
-share of the CPU time fell from about a quarter to a twentieth. Pretraining gained nothing from them and its peak
-memory doubled, so only fine-tuning gets them; compiling takes longer under one heap (LLVM's threads share its lock).
+(`mmap_max=0`): glibc unmaps a worker thread's own heap whenever it is left empty, whatever the trim threshold, so
+the step would fault in its temporaries again. Pretraining keeps its step time without them and its peak memory
+would double, so only fine-tuning takes them. The figures are in docs/benchmarks.md, at
+#where-the-time-goes-on-short-texts-profile-before-and-after.
 
-They are applied only when JAX will run on its CPU backend: that is where they were measured. On a GPU or TPU host
-the same process drives the accelerator, and the host allocator there was not measured, so it is left alone.
-
-`BERTFORGE_ALLOCATOR=system` keeps the allocator as it is; tunables the user already set in GLIBC_TUNABLES win.
+They apply only where JAX runs on its CPU backend, where they were measured; an accelerator host's allocator is
+left alone. `BERTFORGE_ALLOCATOR=system` keeps the allocator as it is; tunables the user set in GLIBC_TUNABLES win.
 """
 
 from __future__ import annotations
@@ -30,7 +23,7 @@ import sys
 from collections.abc import Mapping
 
 TUNABLES = {
-    "glibc.malloc.hugetlb": "1",  # madvise(MADV_HUGEPAGE) on the heap: 2 MiB pages, 512x fewer faults
+    "glibc.malloc.hugetlb": "1",  # madvise(MADV_HUGEPAGE) on the heap: huge pages, far fewer faults
     "glibc.malloc.mmap_threshold": str(32 * 2**20),  # glibc's maximum: buffers below it come from the heap
     "glibc.malloc.trim_threshold": str(4 * 2**30),  # keep freed heap memory for the next step
 }

@@ -21,9 +21,8 @@ from pathlib import Path
 
 ENV = "BERTFORGE_COMPILE_CACHE"
 OFF = "off"
-# JAX caches only programs that took at least this long to compile; its default, 1 s, leaves out the train step of a
-# small model on a fast machine. Every program is worth keeping in a local folder: 62 tiny ones (an op on an 8x8
-# array each) took 5.4 s to compile, 0.1 s to write and 0.2 s to load again (2 CPU cores).
+# JAX caches only programs that took at least this long to compile; its default leaves out the train step of a small
+# model on a fast machine, and loading a program is cheaper than compiling it however small (docs/compile-cache.md).
 MIN_COMPILE_SECONDS = 0.0
 # How JAX words a cache it could not read or write; it warns and compiles.
 _JAX_CACHE_ERRORS = ("Error writing persistent compilation cache", "Error reading persistent compilation cache")

@@ -1,13 +1,10 @@
 """XLA options for a command on JAX's CPU backend, set in the process's XLA_FLAGS before JAX starts its backend.
 
-`bertforge finetune` compiles with LLVM at optimisation level 1 instead of XLA's default 3. A fine-tuning run
-compiles a gradient program for each padded length, an update and a forward program or three, and on a CPU that
-compilation is a large part of a first run on short texts. For all-MiniLM-L6-v2 on 2 cores (AMD EPYC Zen 5), one
-epoch of 1,996 short texts compiled in 10.8-11.5 s against 14.0-14.1 s (each gradient program about 1.1 s against
-1.2-1.9 s), while the steps took the same time: 0.084 against 0.084 s a step in the run, and alone 0.09 s at 16 x
-24 tokens and 0.87 s at 16 x 256 tokens under either level (the products are library calls, which the level does
-not touch). Level 0 halved the step's speed. The results differ from level 3's by rounding (a loss in its 8th
-digit). A run continued from its checkpoint compiles under the same level, so it continues exactly.
+`bertforge finetune` compiles with LLVM at optimisation level 1 instead of XLA's default 3: a fine-tuning run
+compiles a gradient program per padded length, and on a CPU that compilation is a large part of a first run on
+short texts, while its products are library calls that the level does not touch, so the steps keep their speed
+(docs/benchmarks.md#where-the-time-goes-on-short-texts-profile-before-and-after). The results differ from level 3's
+by rounding; a run continued from its checkpoint compiles under the same level, so it continues exactly.
 
 Applied only on the CPU backend, where it was measured (on a GPU the same option would set the kernels' LLVM level).
 A value the user gave in XLA_FLAGS for the same option wins.

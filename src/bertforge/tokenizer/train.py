@@ -91,7 +91,7 @@ def train_tokenizer(
         return (line for path in paths for line in iter_documents(path, doc_per_line=True))
 
     # The WordPiece trainer numbers its '##' pieces in hash-map order, which breaks ties between equally frequent
-    # merges differently from run to run (thousands of ids moved on 1.5 MB). Handing it those pieces, sorted, as
+    # merges differently from run to run. Handing it those pieces, sorted, as
     # leading special tokens fixes their ids and so every tie; they are plain vocabulary again afterwards.
     pinned = [f"##{c}" for c in sorted(continuation_chars(tok, lines()))] if kind == "wordpiece" else []
     trainer = trainer_cls(

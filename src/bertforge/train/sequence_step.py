@@ -222,10 +222,9 @@ def compile_train_step(graphdef: Any, rest: Any, tx: Any, cfg: SequenceStepConfi
     """train_step as three programs: the dropout keys and the update, compiled once, and the gradients, compiled
     once per batch shape, ahead of use when asked (TrainStep.ahead).
 
-    Fine-tuning pads its batches to a few lengths, and each length's program compiles whatever it holds again: on
-    a 2-core CPU, MiniLM's update is 2.1 s of a 4.2 s compilation, and drawing the keys of its 14 dropout streams
-    (16 small threefry loops) about 0.3 s of 2.9. The state is donated, so the update reuses its buffers (the
-    gradients have no output of their shape to go to).
+    Fine-tuning pads its batches to a few lengths, and each length's program compiles whatever it holds again, so
+    the update and the dropout keys, the same at every length, are compiled apart once. The state is donated, so
+    the update reuses its buffers (the gradients have no output of their shape to go to).
     """
     grad_shardings = state_shardings.params
     if cfg.sparse_embeddings:
