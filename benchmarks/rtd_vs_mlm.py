@@ -46,7 +46,7 @@ ARCHES = {
         "rtd": ("configs/pretrain/modernbert-mini-rtd.yaml", []),
     },
     "electra": {
-        "mlm": ("configs/pretrain/mini.yaml", ["--model.flavor=electra", "--model.embedding_size=128"]),
+        "mlm": ("configs/pretrain/mini.yaml", ["--model.family=electra", "--model.embedding_size=128"]),
         "rtd": ("configs/pretrain/rtd-mini.yaml", []),
     },
 }

@@ -13,19 +13,19 @@ from bertforge.tokenizer.load import Tokenizer
 SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
 
 
-def hf_config(flavor: str, vocab_size: int, **extra):
+def hf_config(family: str, vocab_size: int, **extra):
     # A wide initialiser makes outputs far from uniform, so a wrong weight cannot hide inside tiny logits.
     common = dict(SMALL, vocab_size=vocab_size, initializer_range=0.2, **extra)
-    if flavor == "roberta":
+    if family == "roberta":
         return RobertaConfig(max_position_embeddings=66, type_vocab_size=1, pad_token_id=1, **common)
     return BertConfig(max_position_embeddings=64, type_vocab_size=2, pad_token_id=0, **common)
 
 
-def save_hf_model(model_cls, flavor: str, tokenizer_dir: Path, out: Path, seed: int = 0, **extra) -> Path:
+def save_hf_model(model_cls, family: str, tokenizer_dir: Path, out: Path, seed: int = 0, **extra) -> Path:
     """A randomly initialised `model_cls` with the tokenizer of `tokenizer_dir`, saved to `out` as safetensors."""
     tok = Tokenizer.load(tokenizer_dir)
     torch.manual_seed(seed)
-    model = model_cls(hf_config(flavor, tok.vocab_size, **extra)).eval()
+    model = model_cls(hf_config(family, tok.vocab_size, **extra)).eval()
     # Biases and LayerNorm affine parameters start at 0 / 1; randomise them so the key table is fully exercised.
     with torch.no_grad():
         for name, p in model.named_parameters():

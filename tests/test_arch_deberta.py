@@ -169,7 +169,7 @@ def test_outputs_match_transformers(variant, tmp_path):
     # A bare DebertaV2Model (as the v3 RTD discriminators are published) loads as an encoder.
     ref = save_reference(DebertaV2Model, variant, tmp_path / "model")
     pre = load(tmp_path / "model")
-    assert pre.model.config.flavor == "deberta-v2"
+    assert pre.model.config.family == "deberta-v2"
     got, want = ours(pre.model.encoder, batch), theirs(ref, batch)
     assert max_diff(got, want) <= 1e-4  # every position, padding too: transformers' masking is reproduced
     ref = save_reference(DebertaV2ForMaskedLM, variant, tmp_path / "mlm", seed=1)

@@ -28,8 +28,8 @@ from transformers import (
 )
 
 from bertforge.errors import UserError
-from bertforge.model.architectures import build, key_table
-from bertforge.model.config import FAMILIES, ModelConfig, preset
+from bertforge.model.architectures import FAMILIES, build, key_table
+from bertforge.model.config import ModelConfig, preset
 from bertforge.model.hf import load_pretrained, save_pretrained
 from bertforge.tokenizer.load import Tokenizer
 
@@ -107,10 +107,10 @@ def perturbed(model):
     return model
 
 
-def family_config(flavor: str, tok: Tokenizer, **extra) -> ModelConfig:
-    """The `test` preset with the family's conventions, as `init --model.flavor=...` builds it."""
+def family_config(family: str, tok: Tokenizer, **extra) -> ModelConfig:
+    """The `test` preset with the family's conventions, as `init --model.family=...` builds it."""
     base = dataclasses.asdict(preset("test", vocab_size=tok.vocab_size, pad_token_id=tok.pad_id))
-    return ModelConfig(**{**FAMILIES[flavor].apply(base), "initializer_range": 0.2, "flavor": flavor, **extra})
+    return ModelConfig(**{**FAMILIES[family].apply(base), "initializer_range": 0.2, "family": family, **extra})
 
 
 def assert_gradients_match(model, ref: torch.nn.Module, batch, torch_batch) -> float:

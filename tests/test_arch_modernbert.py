@@ -31,8 +31,8 @@ from transformers import (
 
 from bertforge.data.batching import pad_batch
 from bertforge.errors import UserError
-from bertforge.model.architectures import build, config_from_hf, key_table
-from bertforge.model.config import FAMILIES, ModelConfig
+from bertforge.model.architectures import FAMILIES, build, config_from_hf, key_table
+from bertforge.model.config import ModelConfig
 from bertforge.model.hf import load_pretrained, save_pretrained
 from bertforge.tokenizer.load import Tokenizer
 
@@ -146,7 +146,7 @@ def test_hidden_states_match_transformers(biases, attn, attention, form, bpe_dir
 def test_mlm_logits_match_transformers(biases, attn, bpe_dir, tmp_path):
     folder = reference(ModernBertForMaskedLM, bpe_dir, tmp_path / "hf", biases)
     pre = load_pretrained(folder, require_head=True, need_tokenizer=False)
-    assert pre.head == "mlm" and pre.model.config.flavor == "modernbert"
+    assert pre.head == "mlm" and pre.model.config.family == "modernbert"
     batch = pair_batch(bpe_dir)
     want = theirs(hf_load(ModernBertForMaskedLM, folder, attn), batch)
     assert max_diff_on_tokens(ours(pre.model, batch), want, batch["attention_mask"]) <= 1e-4
@@ -221,7 +221,7 @@ def test_round_trip_through_transformers(head, biases, pooling, bpe_dir, tmp_pat
             **sizes,
             **THETAS,
             **BIASES[biases],
-            "flavor": "modernbert",
+            "family": "modernbert",
             "vocab_size": tok.vocab_size,
             "pad_token_id": tok.pad_id,
             "initializer_range": 0.2,
@@ -306,7 +306,7 @@ BASE_CONFIG = {
 def test_the_public_base_config_reads_as_transformers_reads_it():
     cfg, info = config_from_hf(BASE_CONFIG, "config.json")
     hf = ModernBertConfig.from_dict(BASE_CONFIG)
-    assert info.head == "mlm" and cfg.flavor == "modernbert"
+    assert info.head == "mlm" and cfg.family == "modernbert"
     assert (cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.intermediate_size) == (768, 22, 12, 1152)
     assert cfg.max_seq_len == 8192 and cfg.type_vocab_size == 0 and cfg.pooling == "mean"
     assert (cfg.local_attention // 2, cfg.layer_norm_eps) == (hf.sliding_window, hf.norm_eps)
@@ -353,12 +353,12 @@ def test_runtime_flags_are_accepted(bpe_dir, tmp_path):
         reference_compile=True, sparse_prediction=True, deterministic_flash_attn=True, gradient_checkpointing=True
     )
     (folder / "config.json").write_text(json.dumps({**data, **flags}))
-    assert load_pretrained(folder, need_tokenizer=False).model.config.flavor == "modernbert"
+    assert load_pretrained(folder, need_tokenizer=False).model.config.family == "modernbert"
 
 
 def tiny_config(**extra) -> ModelConfig:
     return ModelConfig(
-        flavor="modernbert",
+        family="modernbert",
         vocab_size=500,
         type_vocab_size=0,
         max_position_embeddings=64,

@@ -13,23 +13,23 @@ from test_finetune import finetune, river_rows, write_table
 
 import bertforge
 from bertforge.cli import main as cli
-from bertforge.model.config import FAMILIES
+from bertforge.model.architectures import FAMILIES
 from bertforge.model.hf import load_pretrained
 
-FLAVORS = ["deberta-v2", "modernbert", "electra", "distilbert"]
+NON_BERT_FAMILIES = ["deberta-v2", "modernbert", "electra", "distilbert"]
 
 
-def init_model(flavor: str, tokenizer: Path, out: Path, *extra: str) -> Path:
+def init_model(family: str, tokenizer: Path, out: Path, *extra: str) -> Path:
     args = ["init", "--tokenizer", str(tokenizer), "--out", str(out), "--model.preset=test", *extra]
-    args += [f"--model.flavor={flavor}", "--model.hidden_dropout=0", "--model.attention_dropout=0"]
+    args += [f"--model.family={family}", "--model.hidden_dropout=0", "--model.attention_dropout=0"]
     assert cli(args) == 0
     return out
 
 
-@pytest.fixture(scope="module", params=FLAVORS)
+@pytest.fixture(scope="module", params=NON_BERT_FAMILIES)
 def arch_model(request, wordpiece_dir, tmp_path_factory) -> tuple[str, Path]:
-    flavor = request.param
-    return flavor, init_model(flavor, wordpiece_dir, tmp_path_factory.mktemp(flavor) / "model")
+    family = request.param
+    return family, init_model(family, wordpiece_dir, tmp_path_factory.mktemp(family) / "model")
 
 
 def pair_rows(n: int, seed: int) -> list[dict]:
@@ -41,16 +41,16 @@ def pair_rows(n: int, seed: int) -> list[dict]:
 
 
 def test_init_takes_the_family_conventions(arch_model):
-    flavor, model_dir = arch_model
+    family, model_dir = arch_model
     config = json.loads((model_dir / "config.json").read_text())
-    assert config["model_type"] == flavor
+    assert config["model_type"] == family
     cfg = load_pretrained(model_dir).model.config
-    for field, value in FAMILIES[flavor].fields.items():
+    for field, value in FAMILIES[family].fields.items():
         assert getattr(cfg, field) == value, field
 
 
 def test_finetune_then_predict_equals_the_fold_models(arch_model, tmp_path):
-    flavor, model_dir = arch_model
+    family, model_dir = arch_model
     rows = pair_rows(48, seed=3)
     data = write_table(tmp_path / "train.csv", rows)
     out = tmp_path / "run"
@@ -60,7 +60,7 @@ def test_finetune_then_predict_equals_the_fold_models(arch_model, tmp_path):
     per_fold = []
     for f in (0, 1):
         folder = out / f"fold-{f}" / "model"
-        assert json.loads((folder / "config.json").read_text())["model_type"] == flavor
+        assert json.loads((folder / "config.json").read_text())["model_type"] == family
         values = bertforge.predict(folder, texts, pairs)[:, 0]
         result = json.loads((out / f"fold-{f}" / "result.json").read_text())
         # The fold model is the best checkpoint: its predictions on the fold's rows are the out-of-fold outputs.
@@ -72,12 +72,12 @@ def test_finetune_then_predict_equals_the_fold_models(arch_model, tmp_path):
     np.testing.assert_allclose(got, np.mean(per_fold, axis=0), atol=1e-5)
 
 
-@pytest.mark.parametrize("flavor", ["deberta-v2", "modernbert"])
-def test_long_inputs_fine_tune_at_1024_tokens(flavor, wordpiece_dir, tmp_path):
+@pytest.mark.parametrize("family", ["deberta-v2", "modernbert"])
+def test_long_inputs_fine_tune_at_1024_tokens(family, wordpiece_dir, tmp_path):
     # ModernBERT's rotary positions reach as far as its config says (8,192 for the public checkpoints); DeBERTa's
     # relative positions have no limit.
-    extra = ["--model.max_position_embeddings=2048"] if flavor == "modernbert" else []
-    model_dir = init_model(flavor, wordpiece_dir, tmp_path / "model", *extra)
+    extra = ["--model.max_position_embeddings=2048"] if family == "modernbert" else []
+    model_dir = init_model(family, wordpiece_dir, tmp_path / "model", *extra)
     rng = random.Random(5)
     rows = []
     for i in range(8):
@@ -93,12 +93,12 @@ def test_long_inputs_fine_tune_at_1024_tokens(flavor, wordpiece_dir, tmp_path):
     assert '"max_length": 1024' in (out / "run.json").read_text()
 
 
-@pytest.mark.parametrize("flavor", FLAVORS)
-def test_fill_mask_matches_the_transformers_pipeline(flavor, wordpiece_dir, tmp_path, capsys):
+@pytest.mark.parametrize("family", NON_BERT_FAMILIES)
+def test_fill_mask_matches_the_transformers_pipeline(family, wordpiece_dir, tmp_path, capsys):
     from transformers import pipeline
 
     # A wide initialiser makes the scores far from uniform, so the comparison has teeth.
-    folder = init_model(flavor, wordpiece_dir, tmp_path / "model", "--model.initializer_range=0.5")
+    folder = init_model(family, wordpiece_dir, tmp_path / "model", "--model.initializer_range=0.5")
     reference = pipeline("fill-mask", model=str(folder), top_k=5)
     texts = ["the river [MASK] had a city school.", "a [MASK] of the league and the [MASK] season!"]
     capsys.readouterr()

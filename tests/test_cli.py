@@ -38,11 +38,11 @@ def run_cli(capsys, *argv):
 
 
 @pytest.mark.parametrize(
-    "flavor,model_cls,tok_fixture",
+    "family,model_cls,tok_fixture",
     [("bert", BertForMaskedLM, "wordpiece_dir"), ("roberta", RobertaForMaskedLM, "bpe_dir")],
 )
-def test_fill_mask_matches_the_transformers_pipeline(flavor, model_cls, tok_fixture, request, tmp_path, capsys):
-    folder = save_hf_model(model_cls, flavor, request.getfixturevalue(tok_fixture), tmp_path / "hf")
+def test_fill_mask_matches_the_transformers_pipeline(family, model_cls, tok_fixture, request, tmp_path, capsys):
+    folder = save_hf_model(model_cls, family, request.getfixturevalue(tok_fixture), tmp_path / "hf")
     reference = pipeline("fill-mask", model=str(folder), top_k=5)
     mask = reference.tokenizer.mask_token
     texts = [f"The river city had a {mask} school.", f"A {mask} of the league and the {mask} season!"]

@@ -64,10 +64,16 @@ def test_exponents_without_a_dot_are_numbers():
         from_dict(OptimConfig, {"lr": "fast"})
 
 
-def test_roberta_flavor_takes_roberta_conventions():
-    cfg = from_dict(InitConfig, {"model": {"preset": "mini", "flavor": "roberta"}})
+def test_roberta_family_takes_roberta_conventions():
+    cfg = from_dict(InitConfig, {"model": {"preset": "mini", "family": "roberta"}})
     assert (cfg.model.pad_token_id, cfg.model.type_vocab_size, cfg.model.max_position_embeddings) == (1, 1, 514)
     assert cfg.model.max_seq_len == 512
+
+
+def test_a_model_section_written_before_family_was_named_flavor_still_reads():
+    old = from_dict(InitConfig, {"model": {"preset": "mini", "flavor": "roberta"}})
+    assert old.model == from_dict(InitConfig, {"model": {"preset": "mini", "family": "roberta"}}).model
+    assert old.model.family == "roberta"
 
 
 def test_unknown_key_is_named_with_a_suggestion():

@@ -75,20 +75,20 @@ def test_rates_at_the_ends_of_the_range():
     assert np.all(np.isfinite(y))
 
 
-@pytest.mark.parametrize("flavor", ["bert", "deberta-v2", "modernbert", "distilbert", "electra"])
-def test_a_model_draws_dropout_exactly_when_its_training_forward_depends_on_the_key(flavor):
+@pytest.mark.parametrize("family", ["bert", "deberta-v2", "modernbert", "distilbert", "electra"])
+def test_a_model_draws_dropout_exactly_when_its_training_forward_depends_on_the_key(family):
     # The fine-tuning step draws dropout keys only for a model that draws (dropout.draws): a model that draws but
     # is reported not to would repeat one mask at every step.
-    from bertforge.model.architectures import build
-    from bertforge.model.config import FAMILIES, ModelConfig, preset
+    from bertforge.model.architectures import FAMILIES, build
+    from bertforge.model.config import ModelConfig, preset
     from bertforge.model.dropout import draws
     from bertforge.train.step import with_dropout_key
 
     ids = jnp.asarray(np.random.default_rng(0).integers(5, 1000, (2, 12)), jnp.int32)
     rates = ("hidden_dropout", "attention_dropout", "classifier_dropout")
-    family = FAMILIES[flavor].apply(dataclasses.asdict(preset("test")))  # as `init --model.flavor` builds it
+    conventions = FAMILIES[family].apply(dataclasses.asdict(preset("test")))  # as `init --model.family` builds it
     for on in (None, *rates):
-        cfg = ModelConfig(**{**family, "flavor": flavor, **{r: 0.1 if r == on else 0.0 for r in rates}})
+        cfg = ModelConfig(**{**conventions, "family": family, **{r: 0.1 if r == on else 0.0 for r in rates}})
         model = build(cfg, "sequence", num_labels=2)
         model.train()
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
@@ -97,4 +97,4 @@ def test_a_model_draws_dropout_exactly_when_its_training_forward_depends_on_the_
             for k in (0, 1)
         ]
         varies = not np.array_equal(np.asarray(out[0]), np.asarray(out[1]))
-        assert draws(model) == (on is not None) == varies, (flavor, on)
+        assert draws(model) == (on is not None) == varies, (family, on)

@@ -9,21 +9,21 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from bertforge.model.architectures import build
-from bertforge.model.config import FAMILIES, ModelConfig, preset
+from bertforge.model.architectures import FAMILIES, build
+from bertforge.model.config import ModelConfig, preset
 from bertforge.train.flops import train_flops_per_token
 
 
-def family_config(flavor: str, **overrides) -> ModelConfig:
+def family_config(family: str, **overrides) -> ModelConfig:
     base = dataclasses.asdict(preset("test", intermediate_size=48, num_layers=3))
-    return ModelConfig(**{**FAMILIES[flavor].apply(base), "flavor": flavor, **overrides})
+    return ModelConfig(**{**FAMILIES[family].apply(base), "family": family, **overrides})
 
 
-@pytest.mark.parametrize("flavor", ["bert", "modernbert", "deberta-v2"])
-def test_dense_flops_are_six_times_the_layers_matrix_weights(flavor):
+@pytest.mark.parametrize("family", ["bert", "modernbert", "deberta-v2"])
+def test_dense_flops_are_six_times_the_layers_matrix_weights(family):
     # At 0 tokens of context and no prediction, a token's training FLOPs are those of its dense products: 2
     # (multiply and add) x 3 (forward, and the backward's two products) per weight of the layers' matrices.
-    cfg = family_config(flavor)
+    cfg = family_config(family)
     layers = nnx.state(build(cfg, "mlm").encoder.layers, nnx.Param)
     weights = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(layers) if x.ndim == 2)
     assert train_flops_per_token(cfg, 0, 0.0) == 6 * weights

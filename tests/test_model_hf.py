@@ -70,13 +70,13 @@ def test_minilm_hidden_states_match_transformers():
 
 
 @pytest.mark.parametrize(
-    "flavor,model_cls,tok_fixture",
+    "family,model_cls,tok_fixture",
     [("bert", BertForMaskedLM, "wordpiece_dir"), ("roberta", RobertaForMaskedLM, "bpe_dir")],
 )
-def test_mlm_logits_match_transformers(flavor, model_cls, tok_fixture, request, tmp_path):
-    folder = save_hf_model(model_cls, flavor, request.getfixturevalue(tok_fixture), tmp_path / "hf")
+def test_mlm_logits_match_transformers(family, model_cls, tok_fixture, request, tmp_path):
+    folder = save_hf_model(model_cls, family, request.getfixturevalue(tok_fixture), tmp_path / "hf")
     pre = load_pretrained(folder, require_head=True)
-    assert pre.head == "mlm" and pre.model.config.flavor == flavor
+    assert pre.head == "mlm" and pre.model.config.family == family
     batch = batch_for(pre.tokenizer)
     assert batch["attention_mask"].min() == 0
     ref = model_cls.from_pretrained(folder).eval()
@@ -122,15 +122,15 @@ def test_mlm_loss_gradients_match_transformers(wordpiece_dir, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "flavor,model_cls,tok_fixture,num_labels",
+    "family,model_cls,tok_fixture,num_labels",
     [
         ("bert", BertForSequenceClassification, "wordpiece_dir", 3),
         ("roberta", RobertaForSequenceClassification, "bpe_dir", 1),
     ],
 )
-def test_sequence_outputs_match_transformers(flavor, model_cls, tok_fixture, num_labels, request, tmp_path):
+def test_sequence_outputs_match_transformers(family, model_cls, tok_fixture, num_labels, request, tmp_path):
     folder = save_hf_model(
-        model_cls, flavor, request.getfixturevalue(tok_fixture), tmp_path / "hf", num_labels=num_labels
+        model_cls, family, request.getfixturevalue(tok_fixture), tmp_path / "hf", num_labels=num_labels
     )
     pre = load_pretrained(folder, require_head=True)
     assert pre.head == "sequence" and pre.model.num_labels == num_labels
@@ -141,17 +141,17 @@ def test_sequence_outputs_match_transformers(flavor, model_cls, tok_fixture, num
     assert np.max(np.abs(run_ours(pre.model, batch) - theirs)) <= 1e-4
 
 
-@pytest.mark.parametrize("flavor,tok_fixture", [("bert", "wordpiece_dir"), ("roberta", "bpe_dir")])
+@pytest.mark.parametrize("family,tok_fixture", [("bert", "wordpiece_dir"), ("roberta", "bpe_dir")])
 @pytest.mark.parametrize("head", ["mlm", "sequence"])
-def test_round_trip_through_transformers(flavor, tok_fixture, head, request, tmp_path):
+def test_round_trip_through_transformers(family, tok_fixture, head, request, tmp_path):
     from bertforge.tokenizer.load import Tokenizer
 
     tok = Tokenizer.load(request.getfixturevalue(tok_fixture))
-    cfg = preset("test", flavor=flavor, vocab_size=tok.vocab_size, pad_token_id=tok.pad_id, initializer_range=0.2)
-    if flavor == "roberta":
+    cfg = preset("test", family=family, vocab_size=tok.vocab_size, pad_token_id=tok.pad_id, initializer_range=0.2)
+    if family == "roberta":
         cfg = preset(
             "test",
-            flavor=flavor,
+            family=family,
             vocab_size=tok.vocab_size,
             pad_token_id=tok.pad_id,
             initializer_range=0.2,

@@ -23,11 +23,11 @@ from bertforge.train.step import StepConfig, mlm_sums
 
 PAD, CLS, SEP, MASK = 0, 2, 3, 4
 T = 40  # packed row length; every sequence's own row is padded to it too
-FLAVORS = {
+FAMILIES = {
     "bert": {},
-    "roberta": {"flavor": "roberta", "pad_token_id": 1},
-    "electra": {"flavor": "electra", "embedding_size": 16},
-    "distilbert": {"flavor": "distilbert", "type_vocab_size": 0, "layer_norm_eps": 1e-12, "hidden_act": "gelu"},
+    "roberta": {"family": "roberta", "pad_token_id": 1},
+    "electra": {"family": "electra", "embedding_size": 16},
+    "distilbert": {"family": "distilbert", "type_vocab_size": 0, "layer_norm_eps": 1e-12, "hidden_act": "gelu"},
     "modernbert": {k: v for k, v in MODERNBERT.items() if k != "preset"},
 }
 
@@ -71,8 +71,8 @@ def loss_by_sequence(logits: jax.Array, rows: np.ndarray, pad: int, labels: np.n
     return {rows[r][at].tobytes(): float(ce[r][at & (labels[r] != IGNORE)].mean()) for r, at in where_each(rows, pad)}
 
 
-def model_and_data(flavor: str) -> tuple:
-    extra = {"initializer_range": 0.2, "hidden_dropout": 0.0, "attention_dropout": 0.0, **FLAVORS[flavor]}
+def model_and_data(family: str) -> tuple:
+    extra = {"initializer_range": 0.2, "hidden_dropout": 0.0, "attention_dropout": 0.0, **FAMILIES[family]}
     cfg = preset("test", vocab_size=100, **extra)
     model = build(cfg, "mlm", seed=1)
     model.eval()
@@ -86,9 +86,9 @@ def model_and_data(flavor: str) -> tuple:
     return model, cfg.pad_token_id, seqs, labels_of
 
 
-@pytest.mark.parametrize("flavor", FLAVORS)
-def test_a_packed_sequence_has_the_loss_it_has_in_a_row_of_its_own(flavor):
-    model, pad, seqs, labels_of = model_and_data(flavor)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_packed_sequence_has_the_loss_it_has_in_a_row_of_its_own(family):
+    model, pad, seqs, labels_of = model_and_data(family)
     alone, packed = own_rows(seqs, pad), packed_rows(seqs, pad)
     assert len(packed) < len(seqs) and (np.asarray(segment_ids(packed, CLS, pad)).max(axis=1) > 1).all()
     want = loss_by_sequence(
@@ -159,6 +159,6 @@ def test_a_modernbert_pretrains_on_packed_shards(packed_shards, tmp_path):
 
 
 def test_an_architecture_without_segments_refuses_packed_shards(packed_shards, tmp_path, capsys):
-    cfg = config(packed_shards, model={"flavor": "deberta-v2"})
+    cfg = config(packed_shards, model={"family": "deberta-v2"})
     with pytest.raises(UserError, match="packed shards need an architecture"):
         pretrain.main(cfg, str(tmp_path / "run"))

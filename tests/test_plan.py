@@ -43,9 +43,9 @@ def test_plan_is_within_ten_percent_of_the_compiled_step(name, train, mesh, seq_
     assert abs(estimate.peak / measured - 1) < 0.10, (estimate, measured)
 
 
-@pytest.mark.parametrize("flavor", ["deberta-v2", "modernbert"])
-def test_plan_knows_the_memory_of_other_architectures(flavor):
-    cfg = plan_config("mini", {"global_batch": 32}, {"num_devices": 1}, flavor=flavor)
+@pytest.mark.parametrize("family", ["deberta-v2", "modernbert"])
+def test_plan_knows_the_memory_of_other_architectures(family):
+    cfg = plan_config("mini", {"global_batch": 32}, {"num_devices": 1}, family=family)
     estimate = plan.estimate(cfg, 1, 128)
     measured = plan.compiled_bytes(cfg, 128)
     assert abs(estimate.peak / measured - 1) < 0.10, (estimate, measured)

@@ -72,7 +72,7 @@ def test_loss_falls_and_the_run_exports(shards, tmp_path, capsys):
 
 
 # A test-sized ModernBERT: pre-norm, rotary positions, local (8 tokens) and global attention, no biases.
-MODERNBERT = {"preset": "test", "flavor": "modernbert", "intermediate_size": 48, "local_attention": 8,
+MODERNBERT = {"preset": "test", "family": "modernbert", "intermediate_size": 48, "local_attention": 8,
               "global_attn_every_n_layers": 2}  # fmt: skip
 
 

@@ -64,7 +64,7 @@ def test_the_shipped_modernbert_configs_have_modernberts_shape():
     assert count_params(nnx.state(abstract, nnx.Param)) == pytest.approx(149e6, rel=0.01)  # ModernBERT-base's
     assert (base.attention_bias, base.hidden_dropout, base.global_attn_every_n_layers) == (False, 0.0, 3)
     mini = load_config(pretrain.PretrainConfig, CONFIGS / "modernbert-mini.yaml")
-    assert (mini.model.flavor, mini.model.num_layers, mini.model.hidden_size) == ("modernbert", 4, 256)
+    assert (mini.model.family, mini.model.num_layers, mini.model.hidden_size) == ("modernbert", 4, 256)
     assert (mini.mlm.rate, mini.optim.schedule) == (0.3, "wsd")
 
 

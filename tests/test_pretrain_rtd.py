@@ -24,7 +24,7 @@ from bertforge.train import rtd_step
 from bertforge.train.metrics_log import read_metrics
 from bertforge.train.step import StepConfig
 
-ELECTRA = {"preset": "test", "flavor": "electra", "embedding_size": 16, "hidden_dropout": 0.0,
+ELECTRA = {"preset": "test", "family": "electra", "embedding_size": 16, "hidden_dropout": 0.0,
            "attention_dropout": 0.0}  # fmt: skip
 
 
@@ -93,9 +93,9 @@ def batch(b: int = 4, t: int = 16) -> jax.Array:
     return jnp.asarray(ids)
 
 
-def small_pair(sharing: str, flavor: str = "electra"):
-    cfg = preset("test", flavor=flavor, vocab_size=100, hidden_dropout=0.0, attention_dropout=0.0)
-    if flavor == "electra":
+def small_pair(sharing: str, family: str = "electra"):
+    cfg = preset("test", family=family, vocab_size=100, hidden_dropout=0.0, attention_dropout=0.0)
+    if family == "electra":
         cfg = dataclasses.replace(cfg, embedding_size=16)
     return build_pair(cfg, RtdConfig(generator_width=0.5, sharing=sharing), seed=1)
 
@@ -204,11 +204,11 @@ def test_draws_are_inverse_transform_samples_of_the_softmax():
 
 
 def test_the_generator_is_the_configured_share_of_the_discriminator():
-    disc = preset("mini", flavor="electra", embedding_size=128)
+    disc = preset("mini", family="electra", embedding_size=128)
     gen = generator_config(disc, RtdConfig(generator_width=0.25))
     assert (gen.hidden_size, gen.num_heads, gen.intermediate_size, gen.num_layers) == (64, 1, 256, 4)
     assert gen.embed_dim == 128  # as wide as the discriminator's table, which it shares
-    deep = generator_config(preset("mini", flavor="deberta-v2"), RtdConfig(generator_width=1.0, generator_depth=0.5))
+    deep = generator_config(preset("mini", family="deberta-v2"), RtdConfig(generator_width=1.0, generator_depth=0.5))
     assert (deep.hidden_size, deep.num_layers) == (256, 2)
 
 
@@ -233,14 +233,14 @@ def test_eight_devices_with_fsdp_give_the_run_of_one(shards, tmp_path):
             np.testing.assert_allclose(q, p, atol=1e-5)
 
 
-@pytest.mark.parametrize("flavor", ["deberta-v2", "modernbert"])
-def test_other_discriminators_export_as_their_bare_encoder(flavor, tmp_path):
+@pytest.mark.parametrize("family", ["deberta-v2", "modernbert"])
+def test_other_discriminators_export_as_their_bare_encoder(family, tmp_path):
     from transformers import AutoModel
 
     from bertforge.model.hf import save_pretrained
 
-    cfg = preset("test", flavor=flavor, vocab_size=100, hidden_dropout=0.0, attention_dropout=0.0)
-    if flavor == "modernbert":
+    cfg = preset("test", family=family, vocab_size=100, hidden_dropout=0.0, attention_dropout=0.0)
+    if family == "modernbert":
         cfg = dataclasses.replace(cfg, intermediate_size=48, local_attention=8, global_attn_every_n_layers=2)
     pair = build_pair(cfg, RtdConfig(generator_width=1.0, generator_depth=0.5, sharing="gdes"), seed=2)
     state = nnx.state(pair, nnx.Param)
@@ -255,7 +255,7 @@ def test_other_discriminators_export_as_their_bare_encoder(flavor, tmp_path):
     mask = (ids != 0).astype(np.int64)
     with torch.no_grad():
         theirs = AutoModel.from_pretrained(tmp_path / "disc").eval()
-        assert type(theirs).__name__ == {"deberta-v2": "DebertaV2Model", "modernbert": "ModernBertModel"}[flavor]
+        assert type(theirs).__name__ == {"deberta-v2": "DebertaV2Model", "modernbert": "ModernBertModel"}[family]
         hidden = theirs(torch.tensor(ids), attention_mask=torch.tensor(mask)).last_hidden_state.numpy()
     ours = np.asarray(pair.discriminator.encoder(jnp.asarray(ids), jnp.asarray(mask)))
     np.testing.assert_allclose(ours[mask == 1], hidden[mask == 1], atol=1e-4)

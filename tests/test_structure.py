@@ -84,3 +84,12 @@ def test_no_module_is_over_400_lines():
         name: n for name, p in _modules().items() if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES
     }
     assert not long, f"modules over {MAX_LINES} lines: {long}"
+
+
+def test_every_family_module_satisfies_the_family_interface():
+    from bertforge.model.architectures import FAMILY_MODULES, satisfies
+
+    assert len(FAMILY_MODULES) >= 5
+    for module in FAMILY_MODULES:
+        assert satisfies(module) == [], f"{module.__name__} lacks {satisfies(module)}"
+    assert "key_table" in satisfies(ast) and "FAMILIES" in satisfies(ast)  # the check sees a module that is none

@@ -22,12 +22,12 @@ PRETRAIN = ["--model.preset=test", "--train.global_batch=16", "--train.max_steps
 
 
 # A test-sized ModernBERT: pre-norm, rotary positions, local and global attention, no biases.
-MODERNBERT = ["--model.flavor=modernbert", "--model.intermediate_size=48", "--model.local_attention=8",
+MODERNBERT = ["--model.family=modernbert", "--model.intermediate_size=48", "--model.local_attention=8",
               "--model.global_attn_every_n_layers=2"]  # fmt: skip
 
 
 # Replaced-token detection: an ELECTRA discriminator and a generator of half its width, DeBERTa-v3's sharing.
-RTD = ["--objective=rtd", "--model.flavor=electra", "--model.embedding_size=16", "--rtd.generator_width=0.5",
+RTD = ["--objective=rtd", "--model.family=electra", "--model.embedding_size=16", "--rtd.generator_width=0.5",
        "--rtd.sharing=gdes"]  # fmt: skip
 
 

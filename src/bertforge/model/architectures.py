@@ -1,63 +1,102 @@
-"""Every architecture bertforge runs, by flavor, and what is the same for all of them: building a model, its key
-table, and reading and writing its Hugging Face config.json.
+"""The model families bertforge runs, collected from their modules, and what is the same for all of them: building
+a model, its key table, and reading and writing its Hugging Face config.json.
 
-Each architecture's file gives: Encoder(cfg, rngs=...), mlm_head(cfg, rngs), sequence_head(cfg, num_labels, rngs),
-key_table(cfg, head), hf_fields(data, flavor, source) (ModelConfig fields from its config.json, refusing options
-it does not implement), hf_config(cfg, head) (its config.json apart from the labels), normalise_keys(tensors,
-cfg), PRETRAINING_HEAD (the head of its *ForPreTraining class, None when that is not a masked-LM head) and
-NATIVE_POOLINGS (the poolings transformers' own sequence head does). An architecture whose transformers class holds
-a replaced-token detection head (ELECTRA) gives rtd_rows(cfg) and RTD_ARCHITECTURE; the others' discriminators are
-written as their bare encoder ({prefix}Model).
+Each family's module (bert.py, deberta.py, modernbert.py, electra.py, distilbert.py) declares what FamilyModule
+lists; `satisfies(module)` names what a module lacks. FAMILIES, FAMILY_NAMES, SEGMENT_FAMILIES and MODEL_TYPES are
+derived from the Family records the modules declare.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
 from types import ModuleType
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 from flax import nnx
 
 from bertforge.errors import UserError
-from bertforge.model import bert, deberta, distilbert, electra, modernbert
-from bertforge.model.config import FAMILIES, HeadInfo, ModelConfig
-from bertforge.model.heads import Discriminator, MaskedLM, Model, RtdHead, SequenceClassifier
+from bertforge.model import bert, deberta, distilbert, electra, family, modernbert
+from bertforge.model.config import HeadInfo, ModelConfig
+from bertforge.model.family import Family
+from bertforge.model.heads import Discriminator, MaskedLM, MlmHead, Model, RtdHead, SequenceClassifier, SequenceHead
 from bertforge.model.keys import Row
 
-ARCHITECTURES: dict[str, ModuleType] = {
-    "bert": bert,
-    "roberta": bert,
-    "deberta-v2": deberta,
-    "modernbert": modernbert,
-    "electra": electra,
-    "distilbert": distilbert,
-}
+
+class FamilyModule(Protocol):
+    """What a family's module declares; the module itself is the implementation (structural typing)."""
+
+    FAMILIES: tuple[Family, ...]  # the families it serves (bert.py: BERT and RoBERTa)
+    HF_FIELDS: Mapping[str, str]  # ModelConfig field -> config.json key
+    HF_DEFAULTS: Mapping[str, Any]  # config.json key -> what transformers assumes when it is absent
+    PRETRAINING_HEAD: str | None  # the head of its *ForPreTraining class, None when that is not a masked-LM head
+    NATIVE_POOLINGS: tuple[str, ...]  # the poolings transformers' own sequence head does
+    SCORE_BUFFERS: int  # float32 (B, N, T, T) buffers a layer's training step keeps, for plan
+    # A transformers class holding a replaced-token detection head (ELECTRA) and that head's rows; with None a
+    # discriminator is written as the bare encoder ({hf_prefix}Model).
+    RTD_ARCHITECTURE: str | None
+    rtd_rows: Callable[[ModelConfig], list[Row]] | None
+    Encoder: Callable[..., nnx.Module]  # Encoder(cfg, rngs=...)
+
+    def mlm_head(self, cfg: ModelConfig, rngs: nnx.Rngs) -> MlmHead: ...
+
+    def sequence_head(self, cfg: ModelConfig, num_labels: int, rngs: nnx.Rngs) -> SequenceHead: ...
+
+    def key_table(self, cfg: ModelConfig, head: str) -> list[Row]:
+        """Every parameter of a model of `head` ('mlm' or 'sequence') with its Hugging Face name."""
+        ...
+
+    def hf_fields(self, data: dict[str, Any], family: str, source: str) -> dict[str, Any]:
+        """ModelConfig fields from its config.json; an option bertforge does not implement is a UserError."""
+        ...
+
+    def hf_config(self, cfg: ModelConfig, head: str) -> dict[str, Any]:
+        """Its config.json for a model of `head`, apart from the labels."""
+        ...
+
+    def normalise_keys(self, tensors: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
+        """A checkpoint's tensor names as key_table spells them."""
+        ...
+
+
+MEMBERS = tuple(
+    [*FamilyModule.__annotations__]
+    + [name for name, value in vars(FamilyModule).items() if callable(value) and not name.startswith("_")]
+)
+
+
+def satisfies(module: ModuleType) -> list[str]:
+    """The members of FamilyModule that `module` lacks, or has as a non-callable where a function belongs."""
+    missing = [name for name in MEMBERS if not hasattr(module, name)]
+    methods = [name for name in MEMBERS if name not in FamilyModule.__annotations__]
+    return missing + [f"{n} (not callable)" for n in methods if n not in missing and not callable(getattr(module, n))]
+
+
+FAMILY_MODULES: tuple[FamilyModule, ...] = (bert, deberta, modernbert, electra, distilbert)
+MODULES: dict[str, FamilyModule] = {f.name: m for m in FAMILY_MODULES for f in m.FAMILIES}
+FAMILIES: dict[str, Family] = {f.name: f for m in FAMILY_MODULES for f in m.FAMILIES}
+FAMILY_NAMES = tuple(FAMILIES)
 # Encoders that take segment_ids: rows packing several sequences, each attending within itself at its own positions.
-SEGMENT_FLAVORS = ("bert", "roberta", "modernbert", "electra", "distilbert")
-# model_type -> flavor; XLM-R and CamemBERT are RoBERTa's architecture with other vocabularies.
-MODEL_TYPES = {
-    "bert": "bert",
-    "roberta": "roberta",
-    "xlm-roberta": "roberta",
-    "camembert": "roberta",
-    "deberta-v2": "deberta-v2",
-    "modernbert": "modernbert",
-    "electra": "electra",
-    "distilbert": "distilbert",
-}
+SEGMENT_FAMILIES = tuple(name for name, f in FAMILIES.items() if f.segments)
+MODEL_TYPES = {t: f.name for f in FAMILIES.values() for t in (f.name, *f.model_types)}  # config.json's -> family
 HEADS = ("mlm", "sequence", "rtd")
+family.install(FAMILIES.values())
 
 
-def architecture(cfg: ModelConfig) -> ModuleType:
-    return ARCHITECTURES[cfg.flavor]
+def family_module(cfg: ModelConfig) -> FamilyModule:
+    return MODULES[family.lookup(cfg.family).name]
+
+
+def check_head(head: str) -> None:
+    if head not in HEADS:
+        raise ValueError(f"unknown head {head!r} (one of {', '.join(HEADS)})")
 
 
 def build(cfg: ModelConfig, head: str = "mlm", num_labels: int = 1, seed: int = 0) -> Model:
     """A freshly initialised model of cfg's architecture: head 'mlm', 'sequence' or 'rtd' (a discriminator)."""
-    if head not in HEADS:
-        raise ValueError(f"unknown head {head!r} (mlm or sequence)")
-    arch = architecture(cfg)
+    check_head(head)
+    arch = family_module(cfg)
     rngs = nnx.Rngs(params=seed, dropout=seed + 1)
     encoder = arch.Encoder(cfg, rngs=rngs)
     if head == "mlm":
@@ -74,13 +113,12 @@ def count_params(params: Any) -> int:
 
 def key_table(cfg: ModelConfig, head: str) -> list[Row]:
     """Every parameter of a model of `head` with its Hugging Face name."""
-    if head not in HEADS:
-        raise ValueError(f"unknown head {head!r}")
-    arch = architecture(cfg)
+    check_head(head)
+    arch = family_module(cfg)
     if head == "rtd":
         # The encoder as the masked-LM model names it, and the detection head where transformers has one.
         rows = [row for row in arch.key_table(cfg, "mlm") if not row.head]
-        return rows + (arch.rtd_rows(cfg) if hasattr(arch, "rtd_rows") else [])
+        return rows + (arch.rtd_rows(cfg) if arch.rtd_rows is not None else [])
     rows = arch.key_table(cfg, head)
     if head == "sequence" and cfg.pooling == "attention":
         # Not a transformers parameter: a bertforge folder with attention pooling is read back by bertforge.
@@ -90,7 +128,7 @@ def key_table(cfg: ModelConfig, head: str) -> list[Row]:
 
 def normalise_keys(tensors: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
     """A checkpoint's tensor names as key_table spells them."""
-    return architecture(cfg).normalise_keys(tensors, cfg)
+    return family_module(cfg).normalise_keys(tensors, cfg)
 
 
 def config_from_hf(data: dict[str, Any], source: str) -> tuple[ModelConfig, HeadInfo]:
@@ -102,9 +140,9 @@ def config_from_hf(data: dict[str, Any], source: str) -> tuple[ModelConfig, Head
             f"{source}: unsupported architecture model_type={model_type!r} (architectures: {archs}); "
             f"bertforge loads {', '.join(MODEL_TYPES)}"
         )
-    flavor = MODEL_TYPES[model_type]
-    arch = ARCHITECTURES[flavor]
-    fields = arch.hf_fields(data, flavor, source)
+    name = MODEL_TYPES[model_type]
+    arch = MODULES[name]
+    fields = arch.hf_fields(data, name, source)
     if "bertforge_pooling" in data or "pooling" not in fields:
         fields["pooling"] = data.get("bertforge_pooling", "cls")
     try:
@@ -129,10 +167,10 @@ def config_from_hf(data: dict[str, Any], source: str) -> tuple[ModelConfig, Head
 def config_to_hf(cfg: ModelConfig, head: str, id2label: dict[int, str] | None = None) -> dict[str, Any]:
     """The config.json of a model of `head` ('mlm', 'sequence' or 'rtd'); runtime choices (dtype, remat, attention)
     stay out of it."""
-    arch = architecture(cfg)
+    arch = family_module(cfg)
     out = {**arch.hf_config(cfg, "mlm" if head == "rtd" else head), "dtype": "float32"}
     if head == "rtd":
-        out["architectures"] = [getattr(arch, "RTD_ARCHITECTURE", f"{FAMILIES[cfg.flavor].hf_prefix}Model")]
+        out["architectures"] = [arch.RTD_ARCHITECTURE or f"{FAMILIES[cfg.family].hf_prefix}Model"]
     if head == "sequence":
         labels = id2label or {0: "LABEL_0"}
         out["id2label"] = {str(k): v for k, v in sorted(labels.items())}

@@ -20,11 +20,55 @@ from flax import nnx
 
 from bertforge.errors import UserError
 from bertforge.model.attention import attend, segment_positions
-from bertforge.model.config import ACTIVATIONS, FAMILIES, ModelConfig, read_fields, write_fields
+from bertforge.model.config import ACTIVATIONS, ModelConfig, read_fields, refuse, write_fields
 from bertforge.model.dropout import Dropout
+from bertforge.model.family import Family, lookup
 from bertforge.model.heads import MlmHead, SequenceHead
-from bertforge.model.keys import Row, layernorm_rows, linear_rows
-from bertforge.model.layers import dense, dropout_keys, embed, input_mask, layer_norm, rematerialized, sinusoids
+from bertforge.model.keys import Row, layernorm_rows, linear_rows, table_row
+from bertforge.model.layers import (
+    EncoderBase,
+    KeyedLayer,
+    dense,
+    embed,
+    input_mask,
+    layer_norm,
+    rematerialized,
+    sinusoids,
+)
+
+
+# ------------------------------------------------------------------------------------------------------ families
+def num_params(cfg: ModelConfig) -> int:
+    """Parameter count of a BERT or RoBERTa encoder and MLM head (tied decoder counted once), in closed form."""
+    d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    embed = (v + cfg.max_position_embeddings + cfg.type_vocab_size) * d + 2 * d
+    layer = 4 * (d * d + d) + 2 * d * f + f + d + 4 * d
+    mlm = d * d + d + 2 * d + v
+    return embed + cfg.num_layers * layer + mlm
+
+
+def roberta_max_seq_len(cfg: ModelConfig) -> int:
+    """RoBERTa spends pad_token_id + 1 rows of its position table on an offset."""
+    return cfg.max_position_embeddings - cfg.pad_token_id - 1
+
+
+BERT = Family(
+    "bert", "Bert", pad_token_id=0, position_offset=0, type_vocab_size=2, layer_norm_eps=1e-12, num_params=num_params
+)
+# XLM-R and CamemBERT are RoBERTa's architecture with other vocabularies.
+ROBERTA = Family(
+    "roberta",
+    "Roberta",
+    pad_token_id=1,
+    position_offset=2,
+    type_vocab_size=1,
+    layer_norm_eps=1e-5,
+    special_ids={"bos_token_id": 0, "eos_token_id": 2},
+    model_types=("xlm-roberta", "camembert"),
+    max_seq_len=roberta_max_seq_len,
+    num_params=num_params,
+)
+FAMILIES = (BERT, ROBERTA)
 
 
 def position_ids(cfg: ModelConfig, input_ids: jax.Array, segments: jax.Array | None = None) -> jax.Array:
@@ -32,10 +76,10 @@ def position_ids(cfg: ModelConfig, input_ids: jax.Array, segments: jax.Array | N
     `segments` (B, T) (rows packing several sequences) each segment counts from its own start."""
     if segments is not None:
         within = segment_positions(segments)
-        if cfg.flavor == "roberta":
+        if cfg.family == "roberta":
             return jnp.where(segments != 0, within + 1 + cfg.pad_token_id, cfg.pad_token_id)
         return within
-    if cfg.flavor == "roberta":
+    if cfg.family == "roberta":
         not_pad = (input_ids != cfg.pad_token_id).astype(jnp.int32)
         return jnp.cumsum(not_pad, axis=1) * not_pad + cfg.pad_token_id
     return jnp.broadcast_to(jnp.arange(input_ids.shape[1], dtype=jnp.int32), input_ids.shape)
@@ -67,7 +111,7 @@ class Embeddings(nnx.Module):
         return x if self.project is None else self.project(x)  # (B, T, D)
 
 
-class Layer(nnx.Module):
+class Layer(KeyedLayer):
     """Post-LN self-attention and feed-forward. `attn_out_dropout` False leaves out the dropout on the attention
     output (DistilBERT has none there)."""
 
@@ -85,10 +129,6 @@ class Layer(nnx.Module):
         self.mlp_norm = layer_norm(cfg, rngs)
         self.dropout = Dropout(cfg.hidden_dropout, rngs=rngs)
         self.attn_dropout = Dropout(cfg.attention_dropout, rngs=rngs)
-
-    def dropout_keys(self) -> tuple[jax.Array | None, ...]:
-        """This call's dropout keys (hidden, attention); None where inactive."""
-        return dropout_keys(self.dropout, self.attn_dropout)
 
     def __call__(
         self,
@@ -110,7 +150,7 @@ class Layer(nnx.Module):
         xq = x[:, :1] if first_only else x  # (B, Q, D): the tokens whose outputs are computed
         tq = xq.shape[1]
         # Dense layers see tokens as one (B*T, D) matrix: XLA's CPU backward of a matmul that contracts two
-        # batch dimensions is about 1.6x slower than of the same 2-D matmul.
+        # batch dimensions is slower than of the same 2-D matmul.
         x2 = x.reshape(b * t, d)
         xq = xq.reshape(b * tq, d)
         q = self.query(xq).reshape(b, tq, n, h)
@@ -126,7 +166,7 @@ class Layer(nnx.Module):
         return y.reshape(b, tq, d)
 
 
-class Encoder(nnx.Module):
+class Encoder(EncoderBase):
     """Embeddings and the transformer stack: (B, T) ids -> (B, T, D) hidden states."""
 
     attn_out_dropout = True  # see Layer; a subclass's choice
@@ -137,9 +177,6 @@ class Encoder(nnx.Module):
         self.layers = nnx.List(
             [Layer(cfg, rngs=rngs, attn_out_dropout=self.attn_out_dropout) for _ in range(cfg.num_layers)]
         )
-
-    def word_embedding(self) -> jax.Array:
-        return self.embeddings.word.embedding[...]  # (V, E)
 
     def __call__(
         self,
@@ -164,11 +201,11 @@ class Encoder(nnx.Module):
 
 def mlm_head(cfg: ModelConfig, rngs: nnx.Rngs) -> MlmHead:
     # RoBERTa's head always uses exact GELU; BERT's follows hidden_act.
-    return MlmHead(cfg, act="gelu" if cfg.flavor == "roberta" else cfg.hidden_act, rngs=rngs)
+    return MlmHead(cfg, act="gelu" if cfg.family == "roberta" else cfg.hidden_act, rngs=rngs)
 
 
 def sequence_head(cfg: ModelConfig, num_labels: int, rngs: nnx.Rngs) -> SequenceHead:
-    return SequenceHead(cfg, num_labels, rngs=rngs, dropout_first=cfg.flavor == "roberta")
+    return SequenceHead(cfg, num_labels, rngs=rngs, dropout_first=cfg.family == "roberta")
 
 
 # ------------------------------------------------------------------------------------------- Hugging Face names
@@ -177,17 +214,11 @@ def encoder_rows(cfg: ModelConfig, p: str) -> list[Row]:
     three name them alike), the token-type table's when there is one; not the projection's."""
     enc = ("encoder",)
     rows = [
-        Row(f"{p}.embeddings.word_embeddings.weight", (*enc, "embeddings", "word", "embedding"), False, False),
-        Row(
-            f"{p}.embeddings.position_embeddings.weight",
-            (*enc, "embeddings", "position", "embedding"),
-            False,
-            False,
-        ),
+        table_row(f"{p}.embeddings.word_embeddings", (*enc, "embeddings", "word")),
+        table_row(f"{p}.embeddings.position_embeddings", (*enc, "embeddings", "position")),
     ]
     if cfg.type_vocab_size:
-        table = (*enc, "embeddings", "token_type", "embedding")
-        rows.append(Row(f"{p}.embeddings.token_type_embeddings.weight", table, False, False))
+        rows.append(table_row(f"{p}.embeddings.token_type_embeddings", (*enc, "embeddings", "token_type")))
     rows += layernorm_rows(f"{p}.embeddings.LayerNorm", (*enc, "embeddings", "norm"))
     for i in range(cfg.num_layers):
         hf, ours = f"{p}.encoder.layer.{i}", (*enc, "layers", i)
@@ -204,15 +235,16 @@ def encoder_rows(cfg: ModelConfig, p: str) -> list[Row]:
 
 def key_table(cfg: ModelConfig, head: str) -> list[Row]:
     """Every parameter of a bertforge model of `head` ('mlm' or 'sequence') with its Hugging Face name."""
+    prefix = lookup(cfg.family).hf_prefix
     if cfg.embed_dim != cfg.hidden_size:
         raise UserError(
-            f"embedding_size={cfg.embedding_size}: {FAMILIES[cfg.flavor].hf_prefix} has no embedding projection; "
-            f"use 0 or hidden_size ({cfg.hidden_size}), or flavor electra"
+            f"embedding_size={cfg.embedding_size}: {prefix} has no embedding projection; "
+            f"use 0 or hidden_size ({cfg.hidden_size}), or family electra"
         )
     if not cfg.type_vocab_size:
-        raise UserError(f"type_vocab_size=0: {FAMILIES[cfg.flavor].hf_prefix} needs a token-type table (1 or more)")
-    rows = encoder_rows(cfg, cfg.flavor)  # "bert." or "roberta." prefix of the encoder in *For* models
-    if head == "mlm" and cfg.flavor == "bert":
+        raise UserError(f"type_vocab_size=0: {prefix} needs a token-type table (1 or more)")
+    rows = encoder_rows(cfg, cfg.family)  # "bert." or "roberta." prefix of the encoder in *For* models
+    if head == "mlm" and cfg.family == "bert":
         rows += linear_rows("cls.predictions.transform.dense", ("mlm", "dense"), True)
         rows += layernorm_rows("cls.predictions.transform.LayerNorm", ("mlm", "norm"), True)
         rows += [Row("cls.predictions.bias", ("mlm", "bias"), False, True)]
@@ -220,20 +252,23 @@ def key_table(cfg: ModelConfig, head: str) -> list[Row]:
         rows += linear_rows("lm_head.dense", ("mlm", "dense"), True)
         rows += layernorm_rows("lm_head.layer_norm", ("mlm", "norm"), True)
         rows += [Row("lm_head.bias", ("mlm", "bias"), False, True)]
-    elif head == "sequence" and cfg.flavor == "bert":
+    elif cfg.family == "bert":
         rows += linear_rows("bert.pooler.dense", ("head", "dense"), True)
         rows += linear_rows("classifier", ("head", "out"), True)
-    elif head == "sequence":
+    else:
         rows += linear_rows("classifier.dense", ("head", "dense"), True)
         rows += linear_rows("classifier.out_proj", ("head", "out"), True)
-    else:
-        raise ValueError(f"unknown head {head!r}")
     return rows
+
+
+rtd_rows = None  # transformers has no BERT discriminator: one exports as BertModel (RobertaModel)
 
 
 # ------------------------------------------------------------------------------------------------------ config.json
 PRETRAINING_HEAD = "mlm"  # BertForPreTraining carries the MLM head (and a next-sentence head bertforge ignores)
+RTD_ARCHITECTURE = None
 NATIVE_POOLINGS = ("cls",)  # what transformers' own sequence head pools
+SCORE_BUFFERS = 4  # float32 (B, N, T, T) buffers a layer's training step keeps, for plan
 # ModelConfig field -> config.json key, in BERT's and RoBERTa's config.json
 HF_FIELDS = {
     "vocab_size": "vocab_size",
@@ -251,24 +286,25 @@ HF_FIELDS = {
     "pad_token_id": "pad_token_id",
     "hidden_act": "hidden_act",
 }
+HF_DEFAULTS: dict[str, Any] = {}  # a key left out takes ModelConfig's default, which is BERT's
 
 
-def hf_fields(data: dict[str, Any], flavor: str, source: str) -> dict[str, Any]:
+def hf_fields(data: dict[str, Any], family: str, source: str) -> dict[str, Any]:
     """ModelConfig fields from a BERT-family config.json; an option bertforge does not implement is a UserError."""
     pos = data.get("position_embedding_type", "absolute")
     if pos != "absolute":
-        raise UserError(f"{source}: position_embedding_type={pos!r} is not supported (only 'absolute')")
-    fields = {"flavor": flavor, "pad_token_id": FAMILIES[flavor].pad_token_id}
-    return {**fields, **read_fields(data, HF_FIELDS)}
+        refuse(source, "position_embedding_type", pos, "only 'absolute'")
+    fields = {"family": family, "pad_token_id": lookup(family).pad_token_id}
+    return {**fields, **read_fields({**HF_DEFAULTS, **data}, HF_FIELDS)}
 
 
 def hf_config(cfg: ModelConfig, head: str) -> dict[str, Any]:
     """config.json of a BERT or RoBERTa model of `head`, apart from the labels."""
-    family = FAMILIES[cfg.flavor]
+    family = lookup(cfg.family)
     arch = f"{family.hf_prefix}ForMaskedLM" if head == "mlm" else f"{family.hf_prefix}ForSequenceClassification"
     return {
         "architectures": [arch],
-        "model_type": cfg.flavor,
+        "model_type": cfg.family,
         **write_fields(cfg, HF_FIELDS),
         "position_embedding_type": "absolute",
         "tie_word_embeddings": True,
@@ -284,7 +320,7 @@ def normalise_keys(tensors: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
         key = re.sub(r"\.gamma$", ".weight", key)
         key = re.sub(r"\.beta$", ".bias", key)
         if key.startswith(("embeddings.", "encoder.", "pooler.")):
-            key = f"{cfg.flavor}.{key}"
+            key = f"{cfg.family}.{key}"
         out[key] = value
     return out
 

@@ -1,16 +1,17 @@
-"""What a model is, apart from its weights: ModelConfig, the size presets, each Hugging Face family's conventions,
-and the conversion to and from a Hugging Face config.json."""
+"""What a model is, apart from its weights: ModelConfig, the size presets, and the helpers each family's module
+uses to read and write its Hugging Face config.json (the families themselves: family.py, architectures.py)."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, NoReturn
 
 import jax
 import jax.numpy as jnp
 
 from bertforge.errors import UserError
+from bertforge.model import family as families
 from bertforge.model.attention import ATTENTIONS, cudnn_takes
 
 ACTIVATIONS = {
@@ -24,9 +25,6 @@ ACTIVATIONS = {
 }
 # Compute dtypes; parameters stay float32. float16 (GPUs without bfloat16) trains with a dynamic loss scale.
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-# Architectures, by the name of their Hugging Face model_type; each has its file in bertforge/model (RoBERTa is
-# bert.py's second configuration). model/architectures.py maps each to its file.
-FLAVORS = ("bert", "roberta", "deberta-v2", "modernbert", "electra", "distilbert")
 POOLINGS = ("cls", "mean", "attention")
 POSITION_INITS = ("normal", "sinusoidal")
 
@@ -49,7 +47,7 @@ ZERO_SIZES = ("type_vocab_size",)
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    flavor: str = "bert"  # the architecture: bert, roberta, deberta-v2, modernbert, electra or distilbert
+    family: str = "bert"  # bert, roberta, deberta-v2, modernbert, electra or distilbert (see architectures.py)
     vocab_size: int = 30522
     hidden_size: int = 768
     num_layers: int = 12
@@ -104,8 +102,9 @@ class ModelConfig:
     global_attn_every_n_layers: int = 3
 
     def __post_init__(self) -> None:
-        if self.flavor not in FLAVORS:
-            raise ValueError(f"flavor {self.flavor!r} is not one of {', '.join(FLAVORS)}")
+        # config.py's presets (all BERT) are built while the family modules import, before their table is installed.
+        if families.installed():
+            families.lookup(self.family)
         # Checked before anything is allocated: a config file can ask for any size.
         for name, limit in SIZE_LIMITS.items():
             value = getattr(self, name)
@@ -155,18 +154,15 @@ class ModelConfig:
                 raise ValueError(f"{name} must be an integer of at least {low}, got {value!r}")
         if not 0 <= self.pad_token_id < self.vocab_size:
             raise ValueError(f"pad_token_id {self.pad_token_id} is outside the vocabulary of {self.vocab_size}")
-        if self.max_seq_len < 1:
+        if families.installed() and self.max_seq_len < 1:
             raise ValueError(f"max_position_embeddings {self.max_position_embeddings} leaves no room for tokens")
 
     @property
     def max_seq_len(self) -> int:
         """The longest input the positions allow (RoBERTa spends pad_token_id + 1 rows of its table on an offset;
         DeBERTa without absolute positions has only relative ones, which clamp at any distance)."""
-        if self.flavor == "deberta-v2" and not self.position_biased_input:
-            return SIZE_LIMITS["max_position_embeddings"]
-        if self.flavor == "roberta":
-            return self.max_position_embeddings - self.pad_token_id - 1
-        return self.max_position_embeddings
+        rule = families.lookup(self.family).max_seq_len
+        return self.max_position_embeddings if rule is None else rule(self)
 
     @property
     def embed_dim(self) -> int:
@@ -182,117 +178,29 @@ class ModelConfig:
         return self.hidden_size // self.num_heads
 
     def num_params(self) -> int:
-        """Parameter count of a BERT or RoBERTa encoder and MLM head (tied decoder counted once), in closed form:
-        the published sizes. Other architectures: architectures.count_params of a built model."""
-        if self.flavor not in ("bert", "roberta"):
-            raise ValueError(f"num_params is BERT's closed form; count a built {self.flavor} model's parameters")
-        d, f, v = self.hidden_size, self.intermediate_size, self.vocab_size
-        embed = (v + self.max_position_embeddings + self.type_vocab_size) * d + 2 * d
-        layer = 4 * (d * d + d) + 2 * d * f + f + d + 4 * d
-        mlm = d * d + d + 2 * d + v
-        return embed + self.num_layers * layer + mlm
+        """Parameter count of an encoder and MLM head (tied decoder counted once) in closed form, for the families
+        that have one (BERT, RoBERTa: the published sizes). Others: architectures.count_params of a built model."""
+        count = families.lookup(self.family).num_params
+        if count is None:
+            raise ValueError(f"num_params is BERT's closed form; count a built {self.family} model's parameters")
+        return count(self)
 
     @classmethod
     def resolve_config_dict(cls, data: dict[str, Any], where: str) -> dict[str, Any]:
-        """A `preset: NAME` key in YAML starts from that preset; the other keys override it. A `flavor` other than
-        the preset's brings that family's conventions (see FAMILIES) before the other keys apply."""
+        """A `preset: NAME` key in YAML starts from that preset; the other keys override it. A `family` other than
+        the preset's brings that family's conventions (see family.Family) before the other keys apply."""
+        if "flavor" in data:
+            # Run folders and YAML written before `flavor` was renamed `family` still resume.
+            data.setdefault("family", data.pop("flavor"))
         if "preset" not in data:
             return data
         name = data.pop("preset")
         key = f"{where}.preset" if where else "preset"
         base = dataclasses.asdict(preset(name, key=key))
-        flavor = data.get("flavor")
-        if isinstance(flavor, str) and flavor != base["flavor"] and flavor in FAMILIES:
-            base = FAMILIES[flavor].apply(base)
+        family = data.get("family")
+        if isinstance(family, str) and family != base["family"] and family in families.table():
+            base = families.lookup(family).apply(base)
         return {**base, **data}
-
-
-# ------------------------------------------------------------------------------------------------------ families
-@dataclasses.dataclass(frozen=True)
-class Family:
-    """A Hugging Face family's conventions beyond its sizes."""
-
-    hf_prefix: str  # of its class names: BertForMaskedLM, RobertaForSequenceClassification
-    pad_token_id: int
-    position_offset: int  # position rows before the first token's (RoBERTa: pad_token_id + 1)
-    type_vocab_size: int
-    layer_norm_eps: float
-    special_ids: dict[str, int] = dataclasses.field(default_factory=dict)  # more config.json keys
-    fields: dict[str, Any] = dataclasses.field(default_factory=dict)  # more ModelConfig fields of its recipe
-
-    def apply(self, fields: dict[str, Any]) -> dict[str, Any]:
-        """A BERT config's fields (e.g. a preset's) with this family's conventions, for the same sequence length."""
-        return {
-            **fields,
-            "pad_token_id": self.pad_token_id,
-            "max_position_embeddings": fields["max_position_embeddings"] + self.position_offset,
-            "type_vocab_size": self.type_vocab_size,
-            "layer_norm_eps": self.layer_norm_eps,
-            **self.fields,
-        }
-
-
-FAMILIES = {
-    "bert": Family("Bert", pad_token_id=0, position_offset=0, type_vocab_size=2, layer_norm_eps=1e-12),
-    "roberta": Family(
-        "Roberta",
-        pad_token_id=1,
-        position_offset=2,
-        type_vocab_size=1,
-        layer_norm_eps=1e-5,
-        special_ids={"bos_token_id": 0, "eos_token_id": 2},
-    ),
-    # DeBERTa-v3's: relative positions only, shared attention keys, 256 log buckets, no token types.
-    "deberta-v2": Family(
-        "DebertaV2",
-        pad_token_id=0,
-        position_offset=0,
-        type_vocab_size=0,
-        layer_norm_eps=1e-7,
-        fields={
-            "relative_attention": True,
-            "position_buckets": 256,
-            "pos_att_type": ("p2c", "c2p"),
-            "share_att_key": True,
-            "position_biased_input": False,
-            "norm_rel_ebd": "layer_norm",
-            "classifier_act": "gelu",
-        },
-    ),
-    # ModernBERT's: no biases but the decoder's, no dropout, pre-norm, RoPE, no token types.
-    "modernbert": Family(
-        "ModernBert",
-        pad_token_id=0,
-        position_offset=0,
-        type_vocab_size=0,
-        layer_norm_eps=1e-5,
-        fields={
-            "attention_bias": False,
-            "mlp_bias": False,
-            "norm_bias": False,
-            "classifier_bias": False,
-            "hidden_dropout": 0.0,
-            "attention_dropout": 0.0,
-            "classifier_act": "gelu",
-        },
-    ),
-    "electra": Family(
-        "Electra",
-        pad_token_id=0,
-        position_offset=0,
-        type_vocab_size=2,
-        layer_norm_eps=1e-12,
-        fields={"classifier_act": "gelu"},
-    ),
-    "distilbert": Family(
-        "DistilBert",
-        pad_token_id=0,
-        position_offset=0,
-        type_vocab_size=0,
-        layer_norm_eps=1e-12,
-        fields={"classifier_act": "relu"},
-    ),
-}
 
 
 # ------------------------------------------------------------------------------------------------------ presets
@@ -342,3 +250,8 @@ def read_fields(data: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
 def write_fields(cfg: ModelConfig, names: dict[str, str]) -> dict[str, Any]:
     """config.json keys from ModelConfig fields (`names`: field -> key)."""
     return {theirs: getattr(cfg, ours) for ours, theirs in names.items()}
+
+
+def refuse(source: str, key: str, value: Any, why: str = "") -> NoReturn:
+    """Raises the UserError for a config.json option bertforge does not implement, `why` (e.g. what it takes) after."""
+    raise UserError(f"{source}: {key}={value!r} is not supported" + (f" ({why})" if why else ""))

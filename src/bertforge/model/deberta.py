@@ -18,19 +18,35 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from bertforge.errors import UserError
 from bertforge.model.attention import MASK_VALUE, attention
-from bertforge.model.config import ACTIVATIONS, ModelConfig
+from bertforge.model.config import ACTIVATIONS, SIZE_LIMITS, ModelConfig, read_fields, refuse, write_fields
 from bertforge.model.dropout import Dropout
-from bertforge.model.heads import Ids, MlmHead, SequenceHead
-from bertforge.model.keys import Row, layernorm_rows, linear_rows
-from bertforge.model.layers import axes, dense, dropout_keys, embed, layer_norm, rematerialized, sinusoids
+from bertforge.model.family import Family
+from bertforge.model.heads import Ids, MlmHead, SequenceHead, classifier_rate
+from bertforge.model.keys import Row, layernorm_rows, linear_rows, table_row
+from bertforge.model.layers import EncoderBase, KeyedLayer, axes, dense, embed, layer_norm, rematerialized, sinusoids
 
 TERMS = ("c2p", "p2c")
-# float32 (B, N, T, T) buffers a layer's training step keeps, for plan: BERT's 4 and the relative-position scores'
-# gradient (read off the compiled step at 64, 128 and 256 tokens: within 3% of its memory with 5).
-SCORE_BUFFERS = 5
 Array = jax.Array
+
+
+def max_seq_len(cfg: ModelConfig) -> int:
+    """Without absolute positions only relative ones remain, which clamp at any distance."""
+    return cfg.max_position_embeddings if cfg.position_biased_input else SIZE_LIMITS["max_position_embeddings"]
+
+
+# DeBERTa-v3's recipe: relative positions only, shared attention keys, 256 log buckets, no token types.
+# fmt: off
+DEBERTA = Family(
+    "deberta-v2", "DebertaV2", pad_token_id=0, position_offset=0, type_vocab_size=0, layer_norm_eps=1e-7,
+    fields={
+        "relative_attention": True, "position_buckets": 256, "pos_att_type": ("p2c", "c2p"), "share_att_key": True,
+        "position_biased_input": False, "norm_rel_ebd": "layer_norm", "classifier_act": "gelu",
+    },
+    segments=False, max_seq_len=max_seq_len,  # no packing: its attention has no segment mask
+)
+# fmt: on
+FAMILIES = (DEBERTA,)
 
 
 # ------------------------------------------------------------------------------------------ relative positions
@@ -79,10 +95,8 @@ def relative_scores(q: Array, k: Array, pos_q: Array | None, pos_k: Array | None
     p2c) of the R table rows (R, N, H), None for a term left out; each pair (i, j) reads the row of i - j:
     c2p[i, j] = (q_i . pos_k)[row(i - j)], p2c[i, j] = (k_j . pos_q)[row(i - j)]. The shifted products stay in the
     compute dtype until they are read: half the bytes in bf16, as transformers under autocast."""
-    # The tables are laid out by distance and the shift puts each distance at its (i, j). A gather of the R-wide
-    # products was measured slower: on an H100 (v3-base, bf16, 8192 tokens) 48, 96 and 3255 ms at T = 128, 512 and
-    # 2048 against 39, 64 and 154 (its backward is a scatter-add), and on a CPU XLA built its backward as a
-    # (B, N, T, T, R) one-hot, 40 GB at 16 x 256 tokens and 24 heads.
+    # The tables are laid out by distance and the shift puts each distance at its (i, j): a gather of the R-wide
+    # products is slower (its backward is a scatter-add, on a CPU a (B, N, T, T, R) one-hot).
     dt, out = q.dtype, jnp.zeros((), jnp.float32)
     if pos_k is not None:  # column m of row i is j = m - (T-1-i): distance T-1-m, the table reversed
         table = pos_k[plan.by_distance[::-1].copy()].astype(dt)  # (2T-1, N, H)
@@ -116,7 +130,7 @@ class Embeddings(nnx.Module):
         return self.dropout((self.norm(x) * mask[..., None]).astype(self.cfg.compute_dtype))
 
 
-class Layer(nnx.Module):
+class Layer(KeyedLayer):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg, d, f = cfg, cfg.hidden_size, cfg.intermediate_size
         heads = functools.partial(dense, cfg, d, d, ("embed", "heads"), rngs)
@@ -131,10 +145,6 @@ class Layer(nnx.Module):
         self.mlp_norm = layer_norm(cfg, rngs)
         self.dropout = Dropout(cfg.hidden_dropout, rngs=rngs)
         self.attn_dropout = Dropout(cfg.attention_dropout, rngs=rngs)
-
-    def dropout_keys(self) -> tuple[jax.Array | None, ...]:
-        """This call's dropout keys (hidden, attention); None where inactive."""
-        return dropout_keys(self.dropout, self.attn_dropout)
 
     def __call__(
         self, x: jax.Array, mask: jax.Array, rel: jax.Array | None, plan: RelativePlan | None, keys: Any = None
@@ -196,7 +206,7 @@ class ConvLayer(nnx.Module):
         return (self.norm(residual + out) * keep).astype(residual.dtype)
 
 
-class Encoder(nnx.Module):
+class Encoder(EncoderBase):
     """Embeddings, the relative table and the transformer stack: (B, T) ids -> (B, T, D) hidden states."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
@@ -208,9 +218,6 @@ class Encoder(nnx.Module):
         # transformers has this LayerNorm whenever norm_rel_ebd asks, relative attention or not.
         self.rel_norm = layer_norm(cfg, rngs) if cfg.norm_rel_ebd == "layer_norm" else None
         self.conv = ConvLayer(cfg, rngs=rngs) if cfg.conv_kernel_size > 0 else None
-
-    def word_embedding(self) -> jax.Array:
-        return self.embeddings.word.embedding[...]  # (V, E)
 
     def __call__(
         self, input_ids: jax.Array, attention_mask: Ids = None, token_type_ids: Ids = None, first_only: bool = False
@@ -247,9 +254,9 @@ def key_table(cfg: ModelConfig, head: str) -> list[Row]:
     """Every parameter of a bertforge model of `head` ('mlm' or 'sequence') with its Hugging Face name."""
     enc, emb, e = ("encoder",), ("encoder", "embeddings"), "deberta.embeddings"
     tables = ["word"] + ["position"] * cfg.position_biased_input + ["token_type"] * bool(cfg.type_vocab_size)
-    rows = [Row(f"{e}.{name}_embeddings.weight", (*emb, name, "embedding"), False, False) for name in tables]
+    rows = [table_row(f"{e}.{name}_embeddings", (*emb, name)) for name in tables]
     if cfg.embed_dim != cfg.hidden_size:
-        rows += [Row(f"{e}.embed_proj.weight", (*emb, "proj", "kernel"), True, False)]
+        rows += linear_rows(f"{e}.embed_proj", (*emb, "proj"), bias=False)
     rows += layernorm_rows(f"{e}.LayerNorm", (*emb, "norm"))
     own = [] if cfg.share_att_key or not cfg.relative_attention else cfg.pos_att_type
     names = ["query", "key", "value"] + ["pos_key"] * ("c2p" in own) + ["pos_query"] * ("p2c" in own)
@@ -262,7 +269,7 @@ def key_table(cfg: ModelConfig, head: str) -> list[Row]:
         rows += layernorm_rows(f"{hf}.attention.output.LayerNorm", (*ours, "attn_norm"))
         rows += layernorm_rows(f"{hf}.output.LayerNorm", (*ours, "mlp_norm"))
     if cfg.relative_attention:
-        rows += [Row("deberta.encoder.rel_embeddings.weight", (*enc, "rel_embeddings", "embedding"), False, False)]
+        rows += [table_row("deberta.encoder.rel_embeddings", (*enc, "rel_embeddings"))]
     if cfg.norm_rel_ebd == "layer_norm":
         rows += layernorm_rows("deberta.encoder.LayerNorm", (*enc, "rel_norm"))
     if cfg.conv_kernel_size > 0:  # torch's Conv1d weight (out, in/groups, width), reversed: (width, in/groups, out)
@@ -272,10 +279,11 @@ def key_table(cfg: ModelConfig, head: str) -> list[Row]:
         rows += linear_rows("cls.predictions.transform.dense", ("mlm", "dense"), True)
         rows += layernorm_rows("cls.predictions.transform.LayerNorm", ("mlm", "norm"), True)
         return [*rows, Row("cls.predictions.bias", ("mlm", "bias"), False, True)]
-    if head == "sequence":  # ContextPooler's dense, then the classifier
-        rows += linear_rows("pooler.dense", ("head", "dense"), True)
-        return rows + linear_rows("classifier", ("head", "out"), True)
-    raise ValueError(f"unknown head {head!r}")
+    rows += linear_rows("pooler.dense", ("head", "dense"), True)  # ContextPooler's dense, then the classifier
+    return rows + linear_rows("classifier", ("head", "out"), True)
+
+
+rtd_rows = None  # transformers has no DeBERTa discriminator: one exports as DebertaV2Model
 
 
 # The non-legacy MLM head (legacy: false, and the original DeBERTa checkpoints) under the legacy head's names: the
@@ -300,21 +308,31 @@ def normalise_keys(tensors: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------------------------ config.json
 PRETRAINING_HEAD = None  # transformers has no DebertaV2ForPreTraining; RTD discriminators load as encoders
+RTD_ARCHITECTURE = None
 NATIVE_POOLINGS = ("cls",)  # ContextPooler takes the first token
-# ModelConfig field -> (config.json key, what transformers assumes when the key is absent), read and written as is.
+SCORE_BUFFERS = 5  # float32 (B, N, T, T) buffers a layer's step keeps, for plan: BERT's 4, relative scores' gradient
+# ModelConfig field -> config.json key, read and written as is.
 # fmt: off
 HF_FIELDS = {
-    "vocab_size": ("vocab_size", 128100), "hidden_size": ("hidden_size", 1536),
-    "num_layers": ("num_hidden_layers", 24), "num_heads": ("num_attention_heads", 24),
-    "intermediate_size": ("intermediate_size", 6144), "max_position_embeddings": ("max_position_embeddings", 512),
-    "type_vocab_size": ("type_vocab_size", 0), "layer_norm_eps": ("layer_norm_eps", 1e-7),
-    "hidden_dropout": ("hidden_dropout_prob", 0.1), "attention_dropout": ("attention_probs_dropout_prob", 0.1),
-    "initializer_range": ("initializer_range", 0.02), "pad_token_id": ("pad_token_id", 0),
-    "hidden_act": ("hidden_act", "gelu"), "classifier_act": ("pooler_hidden_act", "gelu"),
-    "relative_attention": ("relative_attention", False), "max_relative_positions": ("max_relative_positions", -1),
-    "position_buckets": ("position_buckets", -1), "share_att_key": ("share_att_key", False),
-    "position_biased_input": ("position_biased_input", True), "conv_kernel_size": ("conv_kernel_size", 0),
-    "conv_groups": ("conv_groups", 1), "conv_act": ("conv_act", "tanh"),
+    "vocab_size": "vocab_size", "hidden_size": "hidden_size", "num_layers": "num_hidden_layers",
+    "num_heads": "num_attention_heads", "intermediate_size": "intermediate_size",
+    "max_position_embeddings": "max_position_embeddings", "type_vocab_size": "type_vocab_size",
+    "layer_norm_eps": "layer_norm_eps", "hidden_dropout": "hidden_dropout_prob",
+    "attention_dropout": "attention_probs_dropout_prob", "initializer_range": "initializer_range",
+    "pad_token_id": "pad_token_id", "hidden_act": "hidden_act", "classifier_act": "pooler_hidden_act",
+    "relative_attention": "relative_attention", "max_relative_positions": "max_relative_positions",
+    "position_buckets": "position_buckets", "share_att_key": "share_att_key",
+    "position_biased_input": "position_biased_input", "conv_kernel_size": "conv_kernel_size",
+    "conv_groups": "conv_groups", "conv_act": "conv_act",
+}
+# transformers' DebertaV2Config defaults: what a config.json that leaves a key out means.
+HF_DEFAULTS = {
+    "vocab_size": 128100, "hidden_size": 1536, "num_hidden_layers": 24, "num_attention_heads": 24,
+    "intermediate_size": 6144, "max_position_embeddings": 512, "type_vocab_size": 0, "layer_norm_eps": 1e-7,
+    "hidden_dropout_prob": 0.1, "attention_probs_dropout_prob": 0.1, "initializer_range": 0.02, "pad_token_id": 0,
+    "hidden_act": "gelu", "pooler_hidden_act": "gelu", "relative_attention": False, "max_relative_positions": -1,
+    "position_buckets": -1, "share_att_key": False, "position_biased_input": True, "conv_kernel_size": 0,
+    "conv_groups": 1, "conv_act": "tanh",
 }
 # fmt: on
 FLAGS = ("relative_attention", "share_att_key", "position_biased_input", "legacy", "tie_word_embeddings")
@@ -322,62 +340,60 @@ INTEGERS = ("hidden_size", "num_attention_heads", "max_position_embeddings", "ma
             "position_buckets", "conv_kernel_size", "conv_groups", "embedding_size")  # fmt: skip
 
 
-def hf_fields(data: dict[str, Any], flavor: str, source: str) -> dict[str, Any]:
+def hf_fields(data: dict[str, Any], family: str, source: str) -> dict[str, Any]:
     """ModelConfig fields from a DeBERTa-v2/v3 config.json; an option bertforge does not implement is a UserError."""
-
-    refuse = lambda key, value, why: UserError(f"{source}: {key}={value!r} is not supported ({why})")
-    d = {**dict(HF_FIELDS.values()), "norm_rel_ebd": "none", "legacy": True, "tie_word_embeddings": True}
+    d = {**HF_DEFAULTS, "norm_rel_ebd": "none", "legacy": True, "tie_word_embeddings": True}
     d.update((k, v) for k, v in data.items() if v is not None)
     d.setdefault("embedding_size", d["hidden_size"])
     for key in FLAGS + INTEGERS:
         if not isinstance(d[key], int) or (key in INTEGERS and isinstance(d[key], bool)):
-            raise refuse(key, d[key], "an integer" if key in INTEGERS else "true or false")
+            refuse(source, key, d[key], "an integer" if key in INTEGERS else "true or false")
     for key in ("hidden_act", "pooler_hidden_act", "conv_act"):
         if not isinstance(d[key], str) or d[key] not in ACTIVATIONS:
-            raise refuse(key, d[key], f"activations: {', '.join(ACTIVATIONS)}")
+            refuse(source, key, d[key], f"activations: {', '.join(ACTIVATIONS)}")
     hidden, heads, width = d["hidden_size"], d["num_attention_heads"], d["embedding_size"]
     kernel, buckets, rel_max = d["conv_kernel_size"], d["position_buckets"], d["max_relative_positions"]
     if "attention_head_size" in d and d["attention_head_size"] * heads != hidden:
-        raise refuse("attention_head_size", d["attention_head_size"], "must be hidden_size / num_attention_heads")
+        refuse(source, "attention_head_size", d["attention_head_size"], "must be hidden_size / num_attention_heads")
     if d.get("pooler_hidden_size", hidden) != hidden:
-        raise refuse("pooler_hidden_size", d["pooler_hidden_size"], f"must equal hidden_size {hidden}")
+        refuse(source, "pooler_hidden_size", d["pooler_hidden_size"], f"must equal hidden_size {hidden}")
     pos = d.get("pos_att_type", [])
     if isinstance(pos, str):  # the older spelling "p2c|c2p"
         pos = [x.strip() for x in pos.lower().split("|") if x.strip() not in ("", "none")]
     for term in pos if isinstance(pos, list) else [pos]:
         if term not in TERMS:
-            raise refuse("pos_att_type", term, "entries are c2p and p2c")
+            refuse(source, "pos_att_type", term, "entries are c2p and p2c")
     if not d["legacy"] and width != hidden:
-        raise refuse("legacy", d["legacy"], "the non-legacy MLM head needs embedding_size == hidden_size")
+        refuse(source, "legacy", d["legacy"], "the non-legacy MLM head needs embedding_size == hidden_size")
     if d["legacy"] and not d["tie_word_embeddings"] and "ForMaskedLM" in str(d.get("architectures")):
-        raise refuse("tie_word_embeddings", False, "the MLM decoder is the word embedding table")
+        refuse(source, "tie_word_embeddings", False, "the MLM decoder is the word embedding table")
     if kernel > 0 and kernel % 2 == 0:
-        raise refuse("conv_kernel_size", kernel, "an odd width keeps the length")
+        refuse(source, "conv_kernel_size", kernel, "an odd width keeps the length")
     if kernel > 0 and (d["conv_groups"] < 1 or hidden % d["conv_groups"]):
-        raise refuse("conv_groups", d["conv_groups"], f"must divide hidden_size {hidden}")
+        refuse(source, "conv_groups", d["conv_groups"], f"must divide hidden_size {hidden}")
     reach = rel_max if rel_max >= 1 else d["max_position_embeddings"]
     if buckets > 0 and (buckets < 2 or reach - 1 == buckets // 2):  # transformers divides by zero
-        raise refuse("position_buckets", buckets, f"with max_relative_positions {reach} no bucket is defined")
+        refuse(source, "position_buckets", buckets, f"with max_relative_positions {reach} no bucket is defined")
     # bertforge's one head dropout rate, before and after the dense: transformers' classifier dropout (cls_dropout,
     # hidden_dropout_prob when absent), or pooler_dropout (before the dense there) when only that is set.
     dropout = data["cls_dropout"] if "cls_dropout" in data else (d.get("pooler_dropout") or None)
     # Parts of norm_rel_ebd other than layer_norm do nothing in transformers either.
     norm = "layer_norm" if "layer_norm" in [x.strip() for x in str(d["norm_rel_ebd"]).lower().split("|")] else "none"
-    fields = {field: d[key] for field, (key, _) in HF_FIELDS.items()} | {key: bool(d[key]) for key in FLAGS[:3]}
-    fields |= dict(flavor=flavor, pos_att_type=tuple(dict.fromkeys(pos)), norm_rel_ebd=norm, classifier_dropout=dropout)
+    fields = read_fields(d, HF_FIELDS) | {key: bool(d[key]) for key in FLAGS[:3]}
+    fields |= dict(family=family, pos_att_type=tuple(dict.fromkeys(pos)), norm_rel_ebd=norm, classifier_dropout=dropout)
     fields |= dict(max_relative_positions=max(rel_max, 0) or -1, position_buckets=max(buckets, 0) or -1)
     return fields | dict(embedding_size=0 if width == hidden else width, conv_kernel_size=max(kernel, 0))
 
 
 def hf_config(cfg: ModelConfig, head: str) -> dict[str, Any]:
     """config.json of a DeBERTa-v2/v3 model of `head`, apart from the labels."""
-    rate = cfg.hidden_dropout if cfg.classifier_dropout is None else cfg.classifier_dropout
     return {
         "architectures": ["DebertaV2ForMaskedLM" if head == "mlm" else "DebertaV2ForSequenceClassification"],
         "model_type": "deberta-v2",
-        **{key: getattr(cfg, field) for field, (key, _) in HF_FIELDS.items()},
+        **write_fields(cfg, HF_FIELDS),
         **{"pos_att_type": list(cfg.pos_att_type), "norm_rel_ebd": cfg.norm_rel_ebd, "embedding_size": cfg.embed_dim},
-        **{"pooler_hidden_size": cfg.hidden_size, "pooler_dropout": rate, "cls_dropout": cfg.classifier_dropout},
+        **{"pooler_hidden_size": cfg.hidden_size, "pooler_dropout": classifier_rate(cfg)},
+        "cls_dropout": cfg.classifier_dropout,
         "legacy": True,  # the MLM head's names: cls.predictions.*
         "tie_word_embeddings": True,
     }

@@ -13,13 +13,24 @@ from flax import nnx
 
 from bertforge.errors import UserError
 from bertforge.model import bert
-from bertforge.model.config import FAMILIES, ModelConfig, read_fields, write_fields
-from bertforge.model.heads import MlmHead, SequenceHead
-from bertforge.model.keys import Row, layernorm_rows, linear_rows
+from bertforge.model.config import ModelConfig, read_fields, refuse, write_fields
+from bertforge.model.family import Family
+from bertforge.model.heads import MlmHead, SequenceHead, classifier_rate
+from bertforge.model.keys import Row, layernorm_rows, linear_rows, table_row
 
 PREFIX = "distilbert"  # of the encoder's parameters in *For* models
 DECODER = "vocab_projector.weight"  # tied to the word embeddings; absent from tied checkpoints
 LAYER_NORM_EPS = 1e-12  # transformers builds every DistilBERT LayerNorm with it; config.json cannot change it
+DISTILBERT = Family(
+    "distilbert",
+    "DistilBert",
+    pad_token_id=0,
+    position_offset=0,
+    type_vocab_size=0,
+    layer_norm_eps=LAYER_NORM_EPS,
+    fields={"classifier_act": "relu"},
+)
+FAMILIES = (DISTILBERT,)
 
 
 def check(cfg: ModelConfig) -> None:
@@ -58,8 +69,8 @@ def key_table(cfg: ModelConfig, head: str) -> list[Row]:
     """Every parameter of a bertforge model of `head` ('mlm' or 'sequence') with its Hugging Face name."""
     emb = ("encoder", "embeddings")
     rows = [
-        Row(f"{PREFIX}.embeddings.word_embeddings.weight", (*emb, "word", "embedding"), False, False),
-        Row(f"{PREFIX}.embeddings.position_embeddings.weight", (*emb, "position", "embedding"), False, False),
+        table_row(f"{PREFIX}.embeddings.word_embeddings", (*emb, "word")),
+        table_row(f"{PREFIX}.embeddings.position_embeddings", (*emb, "position")),
         *layernorm_rows(f"{PREFIX}.embeddings.LayerNorm", (*emb, "norm")),
     ]
     for i in range(cfg.num_layers):
@@ -76,17 +87,20 @@ def key_table(cfg: ModelConfig, head: str) -> list[Row]:
         rows += linear_rows("vocab_transform", ("mlm", "dense"), True)
         rows += layernorm_rows("vocab_layer_norm", ("mlm", "norm"), True)
         rows += [Row("vocab_projector.bias", ("mlm", "bias"), False, True)]
-    elif head == "sequence":
+    else:
         rows += linear_rows("pre_classifier", ("head", "dense"), True)
         rows += linear_rows("classifier", ("head", "out"), True)
-    else:
-        raise ValueError(f"unknown head {head!r}")
     return rows
+
+
+rtd_rows = None  # transformers has no DistilBERT discriminator: one exports as DistilBertModel
 
 
 # ------------------------------------------------------------------------------------------------------ config.json
 PRETRAINING_HEAD = "mlm"  # DistilBERT has no *ForPreTraining class; its pretrained checkpoints are ForMaskedLM
+RTD_ARCHITECTURE = None
 NATIVE_POOLINGS = ("cls",)
+SCORE_BUFFERS = bert.SCORE_BUFFERS  # BERT's layers
 # ModelConfig field -> config.json key. qa_dropout belongs to the question-answering head bertforge does not have.
 HF_FIELDS = {
     "vocab_size": "vocab_size",
@@ -120,7 +134,7 @@ HF_DEFAULTS = {
 ALIASES = {"hidden_size": "dim", "num_attention_heads": "n_heads", "num_hidden_layers": "n_layers"}  # as transformers
 
 
-def hf_fields(data: dict[str, Any], flavor: str, source: str) -> dict[str, Any]:
+def hf_fields(data: dict[str, Any], family: str, source: str) -> dict[str, Any]:
     """ModelConfig fields from a DistilBERT config.json; an option bertforge does not implement is a UserError."""
     refused = {
         # A fixed sinusoidal table at initialisation; the tables checkpoints hold are learned ones.
@@ -131,14 +145,14 @@ def hf_fields(data: dict[str, Any], flavor: str, source: str) -> dict[str, Any]:
     }
     for key, bad in refused.items():
         if key in data and bad(data[key]):
-            raise UserError(f"{source}: {key}={data[key]!r} is not supported")
+            refuse(source, key, data[key])
     named = {real: data[alias] for alias, real in ALIASES.items() if alias in data and real not in data}
     fields = {
-        "flavor": flavor,
+        "family": family,
         "type_vocab_size": 0,
         "layer_norm_eps": LAYER_NORM_EPS,
         "classifier_act": "relu",
-        "pad_token_id": FAMILIES[flavor].pad_token_id,
+        "pad_token_id": DISTILBERT.pad_token_id,
     }
     return {**fields, **read_fields({**HF_DEFAULTS, **data, **named}, HF_FIELDS)}
 
@@ -151,7 +165,7 @@ def hf_config(cfg: ModelConfig, head: str) -> dict[str, Any]:
     """config.json of a DistilBERT model of `head`, apart from the labels."""
     check(cfg)
     arch = "DistilBertForMaskedLM" if head == "mlm" else "DistilBertForSequenceClassification"
-    rate = cfg.hidden_dropout if cfg.classifier_dropout is None else cfg.classifier_dropout
+    rate = classifier_rate(cfg)
     return {
         "architectures": [arch],
         "model_type": "distilbert",

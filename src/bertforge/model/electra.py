@@ -15,12 +15,23 @@ from flax import nnx
 
 from bertforge.errors import UserError
 from bertforge.model import bert
-from bertforge.model.config import FAMILIES, ModelConfig, read_fields, write_fields
-from bertforge.model.heads import MlmHead, SequenceHead
+from bertforge.model.config import ModelConfig, read_fields, refuse, write_fields
+from bertforge.model.family import Family
+from bertforge.model.heads import MlmHead, SequenceHead, classifier_rate
 from bertforge.model.keys import Row, layernorm_rows, linear_rows
 
 PREFIX = "electra"  # of the encoder's parameters in *For* models
 DECODER = "generator_lm_head.weight"  # tied to the word embeddings; absent from tied checkpoints
+ELECTRA = Family(
+    "electra",
+    "Electra",
+    pad_token_id=0,
+    position_offset=0,
+    type_vocab_size=2,
+    layer_norm_eps=1e-12,
+    fields={"classifier_act": "gelu"},
+)
+FAMILIES = (ELECTRA,)
 
 
 class Encoder(bert.Encoder):
@@ -49,11 +60,9 @@ def key_table(cfg: ModelConfig, head: str) -> list[Row]:
         rows += linear_rows("generator_predictions.dense", ("mlm", "dense"), True)
         rows += layernorm_rows("generator_predictions.LayerNorm", ("mlm", "norm"), True)
         rows += [Row("generator_lm_head.bias", ("mlm", "bias"), False, True)]
-    elif head == "sequence":
+    else:
         rows += linear_rows("classifier.dense", ("head", "dense"), True)
         rows += linear_rows("classifier.out_proj", ("head", "out"), True)
-    else:
-        raise ValueError(f"unknown head {head!r}")
     return rows
 
 
@@ -67,6 +76,7 @@ def rtd_rows(cfg: ModelConfig) -> list[Row]:
 RTD_ARCHITECTURE = "ElectraForPreTraining"
 PRETRAINING_HEAD = None  # ElectraForPreTraining's head tells replaced tokens apart: no MLM head to load
 NATIVE_POOLINGS = ("cls",)
+SCORE_BUFFERS = bert.SCORE_BUFFERS  # BERT's layers
 # ModelConfig field -> config.json key
 HF_FIELDS = {
     "vocab_size": "vocab_size",
@@ -109,11 +119,11 @@ HF_DEFAULTS = {
 SUMMARY = {"summary_type": "first", "summary_use_proj": True, "summary_activation": "gelu"}
 
 
-def hf_fields(data: dict[str, Any], flavor: str, source: str) -> dict[str, Any]:
+def hf_fields(data: dict[str, Any], family: str, source: str) -> dict[str, Any]:
     """ModelConfig fields from an ELECTRA config.json; an option bertforge does not implement is a UserError."""
     for key, want in SUMMARY.items():
         if key in data and data[key] != want:
-            raise UserError(f"{source}: {key}={data[key]!r} is not supported (only {want!r})")
+            refuse(source, key, data[key], f"only {want!r}")
     refused = {
         "summary_proj_to_labels": lambda v: bool(v),
         "position_embedding_type": lambda v: v != "absolute",
@@ -123,8 +133,8 @@ def hf_fields(data: dict[str, Any], flavor: str, source: str) -> dict[str, Any]:
     }
     for key, bad in refused.items():
         if key in data and bad(data[key]):
-            raise UserError(f"{source}: {key}={data[key]!r} is not supported")
-    fields = {"flavor": flavor, "classifier_act": "gelu", "pad_token_id": FAMILIES[flavor].pad_token_id}
+            refuse(source, key, data[key])
+    fields = {"family": family, "classifier_act": "gelu", "pad_token_id": ELECTRA.pad_token_id}
     fields.update(read_fields({**HF_DEFAULTS, **data}, HF_FIELDS))
     if fields.get("embedding_size") == fields.get("hidden_size"):
         fields["embedding_size"] = 0  # no projection: the canonical "as wide as the hidden size"
@@ -138,7 +148,7 @@ def _names_mlm(data: dict[str, Any]) -> bool:
 def hf_config(cfg: ModelConfig, head: str) -> dict[str, Any]:
     """config.json of an ELECTRA model of `head`, apart from the labels."""
     arch = "ElectraForMaskedLM" if head == "mlm" else "ElectraForSequenceClassification"
-    rate = cfg.hidden_dropout if cfg.classifier_dropout is None else cfg.classifier_dropout
+    rate = classifier_rate(cfg)
     return {
         "architectures": [arch],
         "model_type": "electra",

@@ -1,7 +1,7 @@
 """Task heads on top of an encoder's hidden states (the masked-LM head, the sequence head with its poolings, the
-replaced-token detection head), and the models every architecture builds from its encoder and these heads.
+replaced-token detection head), and the models every family builds from its encoder and these heads.
 
-An architecture's encoder (bert.py, deberta.py, ...) is called as encoder(input_ids, attention_mask,
+A family's encoder (bert.py, deberta.py, ...) is called as encoder(input_ids, attention_mask,
 token_type_ids, first_only) -> (B, T, D) and gives its word embedding table as encoder.word_embedding() (V, E).
 Shapes: B batch, T tokens, D hidden, E embedding width, V vocabulary, L labels.
 """
@@ -18,6 +18,11 @@ from bertforge.model.dropout import Dropout
 from bertforge.model.layers import axes, dense, layer_norm
 
 Ids = jax.Array | None  # (B, T) attention mask or token types; None: all ones, all zeros
+
+
+def classifier_rate(cfg: ModelConfig) -> float:
+    """The sequence head's dropout rate: classifier_dropout, or hidden_dropout where that is None (transformers')."""
+    return cfg.hidden_dropout if cfg.classifier_dropout is None else cfg.classifier_dropout
 
 
 class MlmHead(nnx.Module):
@@ -62,7 +67,7 @@ class SequenceHead(nnx.Module):
     ):
         self.cfg = cfg
         self.dropout_first = dropout_first
-        rate = cfg.hidden_dropout if cfg.classifier_dropout is None else cfg.classifier_dropout
+        rate = classifier_rate(cfg)
         if cfg.pooling == "attention":
             init = nnx.initializers.normal(cfg.initializer_range)
             self.score = nnx.Param(init(rngs.params(), (cfg.hidden_size,), jnp.float32), **axes("embed"))

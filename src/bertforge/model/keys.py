@@ -16,17 +16,18 @@ class Row:
     head: bool  # part of a task head, may be absent from an encoder-only checkpoint
 
 
-def linear_rows(hf: str, path: ParamPath, head: bool = False) -> list[Row]:
-    """The weight and bias of a torch Linear `hf` as the kernel and bias at `path`."""
-    return [
-        Row(f"{hf}.weight", (*path, "kernel"), True, head),
-        Row(f"{hf}.bias", (*path, "bias"), False, head),
-    ]
+def linear_rows(hf: str, path: ParamPath, head: bool = False, bias: bool = True) -> list[Row]:
+    """The weight (and bias) of a torch Linear `hf` as the kernel (and bias) at `path`."""
+    rows = [Row(f"{hf}.weight", (*path, "kernel"), True, head)]
+    return rows + [Row(f"{hf}.bias", (*path, "bias"), False, head)] if bias else rows
 
 
-def layernorm_rows(hf: str, path: ParamPath, head: bool = False) -> list[Row]:
-    """The weight and bias of a torch LayerNorm `hf` as the scale and bias at `path`."""
-    return [
-        Row(f"{hf}.weight", (*path, "scale"), False, head),
-        Row(f"{hf}.bias", (*path, "bias"), False, head),
-    ]
+def layernorm_rows(hf: str, path: ParamPath, head: bool = False, bias: bool = True) -> list[Row]:
+    """The weight (and bias) of a torch LayerNorm `hf` as the scale (and bias) at `path`."""
+    rows = [Row(f"{hf}.weight", (*path, "scale"), False, head)]
+    return rows + [Row(f"{hf}.bias", (*path, "bias"), False, head)] if bias else rows
+
+
+def table_row(hf: str, path: ParamPath) -> Row:
+    """An embedding table `hf` (a torch Embedding's weight) as the embedding at `path`."""
+    return Row(f"{hf}.weight", (*path, "embedding"), False, False)

@@ -1,5 +1,6 @@
-"""Building blocks every architecture uses: dense layers, LayerNorm and embedding tables with logical axis names,
-and sinusoidal position tables. Parameters are float32 whatever the compute dtype."""
+"""Building blocks every family uses: dense layers, LayerNorm and embedding tables with logical axis names,
+sinusoidal position tables, a layer's dropout keys and an encoder's tied word table. Parameters are float32
+whatever the compute dtype."""
 
 from __future__ import annotations
 
@@ -126,6 +127,22 @@ def sinusoids(rows: int, dim: int, std: float) -> jax.Array:
 def dropout_keys(*dropouts: nnx.Dropout) -> tuple[jax.Array | None, ...]:
     """This call's key of each dropout, drawn from its stream; None where it is inactive."""
     return tuple(d.rngs() if d.rate > 0 and not d.deterministic else None for d in dropouts)
+
+
+class KeyedLayer(nnx.Module):
+    """A transformer layer whose hidden dropout is `self.dropout` and attention dropout `self.attn_dropout`, called
+    with `keys=` the keys dropout_keys() draws (see rematerialized)."""
+
+    def dropout_keys(self) -> tuple[jax.Array | None, ...]:
+        """This call's dropout keys (hidden, attention); None where inactive."""
+        return dropout_keys(self.dropout, self.attn_dropout)
+
+
+class EncoderBase(nnx.Module):
+    """An encoder whose word table is `self.embeddings.word`, which the masked-LM head's decoder is tied to."""
+
+    def word_embedding(self) -> jax.Array:
+        return self.embeddings.word.embedding[...]  # (V, E)
 
 
 def rematerialized(layer: nnx.Module, arrays: tuple, **static: Any) -> jax.Array:

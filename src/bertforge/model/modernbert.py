@@ -15,13 +15,33 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from bertforge.errors import UserError
 from bertforge.model.attention import attend, segment_positions
-from bertforge.model.config import ACTIVATIONS, FAMILIES, ModelConfig
+from bertforge.model.config import ACTIVATIONS, ModelConfig, refuse, write_fields
 from bertforge.model.dropout import Dropout
-from bertforge.model.heads import MlmHead, SequenceHead
-from bertforge.model.keys import Row
-from bertforge.model.layers import dense, dropout_keys, embed, input_mask, layer_norm, rematerialized
+from bertforge.model.family import Family
+from bertforge.model.heads import MlmHead, SequenceHead, classifier_rate
+from bertforge.model.keys import Row, layernorm_rows, linear_rows, table_row
+from bertforge.model.layers import EncoderBase, KeyedLayer, dense, embed, input_mask, layer_norm, rematerialized
+
+# ModernBERT's recipe: no biases but the decoder's, no dropout, pre-norm, RoPE, no token types.
+MODERNBERT = Family(
+    "modernbert",
+    "ModernBert",
+    pad_token_id=0,
+    position_offset=0,
+    type_vocab_size=0,
+    layer_norm_eps=1e-5,
+    fields={
+        "attention_bias": False,
+        "mlp_bias": False,
+        "norm_bias": False,
+        "classifier_bias": False,
+        "hidden_dropout": 0.0,
+        "attention_dropout": 0.0,
+        "classifier_act": "gelu",
+    },
+)
+FAMILIES = (MODERNBERT,)
 
 
 def is_global(cfg: ModelConfig, index: int) -> bool:
@@ -52,7 +72,7 @@ class Embeddings(nnx.Module):
         return self.dropout(self.norm(self.word(input_ids)).astype(self.cfg.compute_dtype))  # (B, T, D)
 
 
-class Layer(nnx.Module):
+class Layer(KeyedLayer):
     def __init__(self, cfg: ModelConfig, index: int, *, rngs: nnx.Rngs):
         self.cfg = cfg
         d, f = cfg.hidden_size, cfg.intermediate_size
@@ -68,10 +88,6 @@ class Layer(nnx.Module):
         self.attn_dropout = Dropout(cfg.attention_dropout, rngs=rngs)
         self.theta = cfg.global_rope_theta if is_global(cfg, index) else cfg.local_rope_theta
         self.window = None if is_global(cfg, index) else cfg.local_attention // 2
-
-    def dropout_keys(self) -> tuple[jax.Array | None, ...]:
-        """This call's dropout keys (hidden, attention); None where inactive."""
-        return dropout_keys(self.dropout, self.attn_dropout)
 
     def __call__(
         self,
@@ -107,7 +123,7 @@ class Layer(nnx.Module):
         return (x + self.mlp_out(hidden).astype(x.dtype)).reshape(b, tq, d)
 
 
-class Encoder(nnx.Module):
+class Encoder(EncoderBase):
     """Embeddings, the layers and the final LayerNorm: (B, T) ids -> (B, T, D) hidden states."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
@@ -120,9 +136,6 @@ class Encoder(nnx.Module):
         self.embeddings = Embeddings(cfg, rngs=rngs)
         self.layers = nnx.List([Layer(cfg, i, rngs=rngs) for i in range(cfg.num_layers)])
         self.final_norm = layer_norm(cfg, rngs, bias=cfg.norm_bias)
-
-    def word_embedding(self) -> jax.Array:
-        return self.embeddings.word.embedding[...]  # (V, D)
 
     def __call__(
         self,
@@ -161,45 +174,36 @@ def sequence_head(cfg: ModelConfig, num_labels: int, rngs: nnx.Rngs) -> Sequence
 
 
 # ------------------------------------------------------------------------------------------- Hugging Face names
-def _linear(hf: str, path: tuple, bias: bool, head: bool = False) -> list[Row]:
-    rows = [Row(f"{hf}.weight", (*path, "kernel"), True, head)]
-    return rows + [Row(f"{hf}.bias", (*path, "bias"), False, head)] if bias else rows
-
-
-def _norm(hf: str, path: tuple, bias: bool, head: bool = False) -> list[Row]:
-    rows = [Row(f"{hf}.weight", (*path, "scale"), False, head)]
-    return rows + [Row(f"{hf}.bias", (*path, "bias"), False, head)] if bias else rows
-
-
 def key_table(cfg: ModelConfig, head: str) -> list[Row]:
     """Every parameter of a bertforge ModernBERT of `head` ('mlm' or 'sequence') with its Hugging Face name. The
     MLM decoder's weight is the word embedding (tied): only its bias is a row."""
     enc, nb = ("encoder",), cfg.norm_bias
     rows = [
-        Row("model.embeddings.tok_embeddings.weight", (*enc, "embeddings", "word", "embedding"), False, False),
-        *_norm("model.embeddings.norm", (*enc, "embeddings", "norm"), nb),
+        table_row("model.embeddings.tok_embeddings", (*enc, "embeddings", "word")),
+        *layernorm_rows("model.embeddings.norm", (*enc, "embeddings", "norm"), bias=nb),
     ]
     for i in range(cfg.num_layers):
         hf, ours = f"model.layers.{i}", (*enc, "layers", i)
         if i > 0:
-            rows += _norm(f"{hf}.attn_norm", (*ours, "attn_norm"), nb)
-        rows += _linear(f"{hf}.attn.Wqkv", (*ours, "qkv"), cfg.attention_bias)
-        rows += _linear(f"{hf}.attn.Wo", (*ours, "attn_out"), cfg.attention_bias)
-        rows += _norm(f"{hf}.mlp_norm", (*ours, "mlp_norm"), nb)
-        rows += _linear(f"{hf}.mlp.Wi", (*ours, "mlp_in"), cfg.mlp_bias)
-        rows += _linear(f"{hf}.mlp.Wo", (*ours, "mlp_out"), cfg.mlp_bias)
-    rows += _norm("model.final_norm", (*enc, "final_norm"), nb)
+            rows += layernorm_rows(f"{hf}.attn_norm", (*ours, "attn_norm"), bias=nb)
+        rows += linear_rows(f"{hf}.attn.Wqkv", (*ours, "qkv"), bias=cfg.attention_bias)
+        rows += linear_rows(f"{hf}.attn.Wo", (*ours, "attn_out"), bias=cfg.attention_bias)
+        rows += layernorm_rows(f"{hf}.mlp_norm", (*ours, "mlp_norm"), bias=nb)
+        rows += linear_rows(f"{hf}.mlp.Wi", (*ours, "mlp_in"), bias=cfg.mlp_bias)
+        rows += linear_rows(f"{hf}.mlp.Wo", (*ours, "mlp_out"), bias=cfg.mlp_bias)
+    rows += layernorm_rows("model.final_norm", (*enc, "final_norm"), bias=nb)
     if head == "mlm":
-        rows += _linear("head.dense", ("mlm", "dense"), cfg.classifier_bias, True)
-        rows += _norm("head.norm", ("mlm", "norm"), nb, True)
+        rows += linear_rows("head.dense", ("mlm", "dense"), True, bias=cfg.classifier_bias)
+        rows += layernorm_rows("head.norm", ("mlm", "norm"), True, bias=nb)
         rows += [Row("decoder.bias", ("mlm", "bias"), False, True)] if cfg.decoder_bias else []
-    elif head == "sequence":
-        rows += _linear("head.dense", ("head", "dense"), cfg.classifier_bias, True)
-        rows += _norm("head.norm", ("head", "norm"), nb, True)
-        rows += _linear("classifier", ("head", "out"), True, True)
     else:
-        raise ValueError(f"unknown head {head!r}")
+        rows += linear_rows("head.dense", ("head", "dense"), True, bias=cfg.classifier_bias)
+        rows += layernorm_rows("head.norm", ("head", "norm"), True, bias=nb)
+        rows += linear_rows("classifier", ("head", "out"), True)
     return rows
+
+
+rtd_rows = None  # transformers has no ModernBERT discriminator: one exports as ModernBertModel
 
 
 def normalise_keys(tensors: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
@@ -210,7 +214,9 @@ def normalise_keys(tensors: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------------------------ config.json
 PRETRAINING_HEAD = None  # there is no ModernBertForPreTraining
+RTD_ARCHITECTURE = None
 NATIVE_POOLINGS = ("cls", "mean")  # ModernBertForSequenceClassification's classifier_pooling
+SCORE_BUFFERS = 4  # float32 (B, N, T, T) buffers a layer's training step keeps, for plan: BERT's
 GLOBAL, LOCAL = "full_attention", "sliding_attention"  # transformers' layer_types
 # ModelConfig field -> config.json key. hidden_dropout is mlp_dropout's, and also drops the embeddings (see
 # hf_fields); attention_dropout drops the probabilities and the attention's output, as in transformers.
@@ -264,10 +270,6 @@ HF_DEFAULTS = {
 }
 
 
-def _refuse(source: str, key: str, value: Any, why: str) -> UserError:
-    return UserError(f"{source}: {key}={value!r} is not supported ({why})")
-
-
 def _every_n(data: dict[str, Any], layers: int, source: str) -> int:
     """global_attn_every_n_layers, or the n of a layer_types list (transformers' form), which must be the pattern
     "layer i global when i % n == 0"."""
@@ -275,15 +277,15 @@ def _every_n(data: dict[str, Any], layers: int, source: str) -> int:
     if types is None:
         n = data["global_attn_every_n_layers"]
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise _refuse(source, "global_attn_every_n_layers", n, "a positive integer")
+            refuse(source, "global_attn_every_n_layers", n, "a positive integer")
         return n
     why = f"bertforge makes layer i {GLOBAL} when i % n == 0, else {LOCAL}"
     if not isinstance(types, list):
-        raise _refuse(source, "layer_types", types, why)
+        refuse(source, "layer_types", types, why)
     later = [i for i, kind in enumerate(types) if kind == GLOBAL and i > 0]
     n = later[0] if later else max(len(types), 1)
     if types != [GLOBAL if i % n == 0 else LOCAL for i in range(layers if isinstance(layers, int) else 0)]:
-        raise _refuse(source, "layer_types", types, why)
+        refuse(source, "layer_types", types, why)
     return n
 
 
@@ -294,20 +296,20 @@ def _rope_thetas(data: dict[str, Any], source: str) -> tuple[float, float]:
     if scaling is not None:
         kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else scaling
         if kind != "default":
-            raise _refuse(source, "rope_scaling", scaling, "only the default RoPE")
+            refuse(source, "rope_scaling", scaling, "only the default RoPE")
     params = data.get("rope_parameters") or {}
     if not isinstance(params, dict) or not set(params) <= {GLOBAL, LOCAL}:
-        raise _refuse(source, "rope_parameters", params, f"a dict keyed by {GLOBAL} and {LOCAL}")
+        refuse(source, "rope_parameters", params, f"a dict keyed by {GLOBAL} and {LOCAL}")
     thetas = []
     for kind, old in ((GLOBAL, "global_rope_theta"), (LOCAL, "local_rope_theta")):
         rope = params.get(kind) or {}
         if not isinstance(rope, dict) or rope.get("rope_type", rope.get("type", "default")) != "default":
-            raise _refuse(source, f"rope_parameters.{kind}", rope, "only the default RoPE")
+            refuse(source, f"rope_parameters.{kind}", rope, "only the default RoPE")
         thetas.append(rope.get("rope_theta", data[old]))
     return thetas[0], thetas[1]
 
 
-def hf_fields(data: dict[str, Any], flavor: str, source: str) -> dict[str, Any]:
+def hf_fields(data: dict[str, Any], family: str, source: str) -> dict[str, Any]:
     """ModelConfig fields from a ModernBERT config.json; an option bertforge does not implement is a UserError.
 
     Dropout: bertforge has one hidden dropout, taken from mlp_dropout; it also drops the embeddings, whatever
@@ -317,28 +319,28 @@ def hf_fields(data: dict[str, Any], flavor: str, source: str) -> dict[str, Any]:
     half = data.get("sliding_window")  # transformers' half-width alias, which sets local_attention
     if half is not None:
         if not isinstance(half, int) or isinstance(half, bool) or half < 0:
-            raise _refuse(source, "sliding_window", half, "a window of 0 or more tokens")
+            refuse(source, "sliding_window", half, "a window of 0 or more tokens")
         data["local_attention"] = 2 * half
     for key in ("hidden_activation", "classifier_activation"):
         if data[key] not in ACTIVATIONS:
-            raise _refuse(source, key, data[key], f"bertforge has {', '.join(ACTIVATIONS)}")
+            refuse(source, key, data[key], f"bertforge has {', '.join(ACTIVATIONS)}")
     if data["classifier_pooling"] not in NATIVE_POOLINGS:
-        raise _refuse(source, "classifier_pooling", data["classifier_pooling"], "only cls or mean")
+        refuse(source, "classifier_pooling", data["classifier_pooling"], "only cls or mean")
     if data.get("tie_word_embeddings", True) is not True:
-        raise _refuse(source, "tie_word_embeddings", data["tie_word_embeddings"], "the decoder is the embedding")
+        refuse(source, "tie_word_embeddings", data["tie_word_embeddings"], "the decoder is the embedding")
     heads, hidden = data["num_attention_heads"], data["hidden_size"]
     head_dim = data.get("head_dim")
     if head_dim is not None and isinstance(heads, int) and heads > 0 and head_dim * heads != hidden:
-        raise _refuse(source, "head_dim", head_dim, "only hidden_size / num_attention_heads")
+        refuse(source, "head_dim", head_dim, "only hidden_size / num_attention_heads")
     local = data["local_attention"]
     if not isinstance(local, int) or isinstance(local, bool) or local < 0:
-        raise _refuse(source, "local_attention", local, "a window of 0 or more tokens")
+        refuse(source, "local_attention", local, "a window of 0 or more tokens")
     global_theta, local_theta = _rope_thetas(data, source)
     fields = {ours: data[theirs] for ours, theirs in HF_FIELDS.items()}
     return {
         **fields,
-        "flavor": flavor,
-        "pad_token_id": FAMILIES[flavor].pad_token_id if data.get("pad_token_id") is None else data["pad_token_id"],
+        "family": family,
+        "pad_token_id": MODERNBERT.pad_token_id if data.get("pad_token_id") is None else data["pad_token_id"],
         "type_vocab_size": 0,
         "global_attn_every_n_layers": _every_n(data, data["num_hidden_layers"], source),
         "global_rope_theta": global_theta,
@@ -350,8 +352,8 @@ def hf_config(cfg: ModelConfig, head: str) -> dict[str, Any]:
     """config.json of a ModernBERT model of `head`, apart from the labels. The layer pattern and RoPE bases are
     written in both transformers' current form (layer_types, rope_parameters) and the original one."""
     arch = "ModernBertForMaskedLM" if head == "mlm" else "ModernBertForSequenceClassification"
-    fields = {theirs: getattr(cfg, ours) for ours, theirs in HF_FIELDS.items()}
-    dropout = cfg.hidden_dropout if cfg.classifier_dropout is None else cfg.classifier_dropout
+    fields = write_fields(cfg, HF_FIELDS)
+    dropout = classifier_rate(cfg)
     return {
         "architectures": [arch],
         "model_type": "modernbert",

@@ -52,9 +52,9 @@ def generator_config(disc: ModelConfig, rtd: RtdConfig) -> ModelConfig:
     size) and `generator_depth` of its layers, with an embedding table as wide as the discriminator's."""
     hidden = max(disc.head_dim, int(round(disc.hidden_size * rtd.generator_width / disc.head_dim)) * disc.head_dim)
     width = disc.embed_dim
-    if width != hidden and disc.flavor in ("modernbert", "distilbert"):
+    if width != hidden and disc.family in ("modernbert", "distilbert"):
         raise UserError(
-            f"rtd.generator_width={rtd.generator_width}: {disc.flavor} has no embedding projection, so its "
+            f"rtd.generator_width={rtd.generator_width}: {disc.family} has no embedding projection, so its "
             "generator must be as wide as the discriminator (rtd.generator_width=1; make it smaller with "
             "rtd.generator_depth)"
         )

@@ -30,7 +30,7 @@ from flax import nnx
 from bertforge.data.masking import MaskingSpec
 from bertforge.data.shards import Shards
 from bertforge.errors import UserError
-from bertforge.model.architectures import architecture, build
+from bertforge.model.architectures import build, family_module
 from bertforge.model.config import ModelConfig
 from bertforge.runtime.devices import (
     MESH_AXES,
@@ -119,7 +119,7 @@ def estimate(cfg: PretrainConfig, devices: int, seq_len: int) -> Plan:
     optimizer = ADAM_MOMENTS * params
     gradients = params
     act = 2 if m.dtype == "bfloat16" else 4  # hidden states; attention probabilities stay float32
-    scores = getattr(architecture(m), "SCORE_BUFFERS", 4)  # float32 (heads x length^2) buffers per layer
+    scores = family_module(m).SCORE_BUFFERS  # float32 (heads x length^2) buffers per layer
     layer = (16 * n * d + 4 * n * f) * act + scores * b * heads * seq_len**2 * 4
     predicted = prediction_capacity(n, cfg.mlm.rate) if cfg.train.sparse_head else n
     logits = predicted * v * 4
@@ -194,7 +194,7 @@ def describe(cfg: PretrainConfig, plan: Plan) -> str:
     m = cfg.model
     mesh = ", ".join(f"{k} {plan.mesh[k]}" for k in MESH_AXES)
     return (
-        f"{m.num_layers}x{m.hidden_size} {m.flavor} ({parameter_bytes(m, plan.mesh)[1] / 4e6:.1f} M parameters"
+        f"{m.num_layers}x{m.hidden_size} {m.family} ({parameter_bytes(m, plan.mesh)[1] / 4e6:.1f} M parameters"
         f"{', remat' if m.remat else ''}, "
         f"{m.dtype}) on {plan.devices} device(s) [{mesh}]: global batch {cfg.train.global_batch}"
         f"{f' in {cfg.train.grad_accum} micro-batches' if cfg.train.grad_accum > 1 else ''}, "

@@ -23,7 +23,7 @@ from bertforge.data.ramp import Ramp, make_loader, ramp_of
 from bertforge.data.shards import Shards
 from bertforge.errors import UserError
 from bertforge.fileio import write_folder_atomic
-from bertforge.model.architectures import SEGMENT_FLAVORS, count_params
+from bertforge.model.architectures import SEGMENT_FAMILIES, count_params
 from bertforge.model.config import ModelConfig, preset
 from bertforge.model.load import load_to_continue
 from bertforge.model.rtd import RtdConfig, generator_config
@@ -184,10 +184,10 @@ def _main(
     train_shards.check_tokenizer(tokenizer, tokenizer_dir)
     model_cfg = init.model.config if init is not None else fit_to_tokenizer(cfg.model, tokenizer, vocab_given)
     train_shards.check_model(model_cfg.max_seq_len, model_cfg.vocab_size, "the model (model.max_position_embeddings)")
-    if train_shards.packed and model_cfg.flavor not in SEGMENT_FLAVORS:
+    if train_shards.packed and model_cfg.family not in SEGMENT_FAMILIES:
         raise UserError(
             f"{cfg.data.shards}: packed shards need an architecture that attends within each packed sequence "
-            f"({', '.join(SEGMENT_FLAVORS)}), not {model_cfg.flavor}; preprocess without --pack"
+            f"({', '.join(SEGMENT_FAMILIES)}), not {model_cfg.family}; preprocess without --pack"
         )
     valid_shards = Shards(cfg.data.shards, "valid")
     if valid_shards.num_sequences == 0:

@@ -37,7 +37,7 @@ PEAK_FLOPS = {
 def _attended_keys(cfg: ModelConfig, seq_len: int) -> int:
     """Keys each query attends to, summed over the layers: ModernBERT's local layers see a window of
     local_attention + 1 keys (local_attention // 2 on each side), its global ones, and every other family's, all."""
-    if cfg.flavor != "modernbert":
+    if cfg.family != "modernbert":
         return cfg.num_layers * seq_len
     local = min(seq_len, 2 * (cfg.local_attention // 2) + 1)
     n_global = len(range(0, cfg.num_layers, cfg.global_attn_every_n_layers))
@@ -55,7 +55,7 @@ def _relative_rows(cfg: ModelConfig, seq_len: int) -> int:
 
 def train_flops_per_token(cfg: ModelConfig, seq_len: int, predicted_fraction: float = 1.0) -> float:
     d, f, v, layers = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_layers
-    ffn = 3 * d * f if cfg.flavor == "modernbert" else 2 * d * f  # ModernBERT's is gated (GeGLU): in is d x 2f
+    ffn = 3 * d * f if cfg.family == "modernbert" else 2 * d * f  # ModernBERT's is gated (GeGLU): in is d x 2f
     dense = layers * (4 * d * d + ffn)  # q, k, v, out; feed-forward in and out
     attention = (2 * _attended_keys(cfg, seq_len) + _relative_rows(cfg, seq_len)) * d  # scores, weighted values
     head = (d * d + d * v) * predicted_fraction  # transform + tied projection
