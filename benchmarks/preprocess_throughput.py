@@ -29,7 +29,7 @@ def peak_mb() -> float:
 
 
 def run_bertforge(corpus: str, tokenizer: str, workers: int, out: str) -> dict:
-    from bertforge.data import preprocess
+    from bertforge.tasks import preprocess
 
     start = time.perf_counter()
     cfg = preprocess.PreprocessConfig(

@@ -13,10 +13,10 @@ from transformers import AutoModelForMaskedLM, AutoTokenizer
 
 from bertforge.cli import main as cli
 from bertforge.data.masking import continuation_table
-from bertforge.data.preprocess import PreprocessConfig
-from bertforge.data.preprocess import main as preprocess
 from bertforge.errors import UserError
 from bertforge.model.hf import load_pretrained
+from bertforge.tasks.preprocess import PreprocessConfig
+from bertforge.tasks.preprocess import main as preprocess
 from bertforge.tokenizer.load import Tokenizer
 from bertforge.tokenizer.train import train_tokenizer
 

@@ -387,7 +387,7 @@ def test_only_given_flags_override_the_yaml(tmp_path):
 
 
 def test_held_out_files_replace_the_held_out_share(monkeypatch, capsys):
-    from bertforge.data import preprocess
+    from bertforge.tasks import preprocess
 
     seen = []
 

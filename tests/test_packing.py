@@ -14,11 +14,11 @@ from test_pretrain import MODERNBERT, config, losses
 
 from bertforge.data.masking import IGNORE, MaskingSpec
 from bertforge.data.packing import BlockPacker, segment_ids
-from bertforge.data.preprocess import PreprocessConfig
 from bertforge.errors import UserError
 from bertforge.model.architectures import build
 from bertforge.model.config import preset
 from bertforge.tasks import pretrain
+from bertforge.tasks.preprocess import PreprocessConfig
 from bertforge.train.step import StepConfig, mlm_sums
 
 PAD, CLS, SEP, MASK = 0, 2, 3, 4

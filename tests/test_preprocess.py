@@ -12,11 +12,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from bertforge.data import preprocess
 from bertforge.data.documents import split_sentences
-from bertforge.data.preprocess import PreprocessConfig
 from bertforge.data.shards import Shards
 from bertforge.errors import UserError
+from bertforge.tasks import preprocess
+from bertforge.tasks.preprocess import PreprocessConfig
 from bertforge.tokenizer.load import Tokenizer
 
 WORDS = "river city music game season film league army church school station album king war team story".split()

@@ -30,7 +30,7 @@ def _tokenizer_train(cfg: Any, args: argparse.Namespace) -> int:
 
 
 def _preprocess(cfg: Any, args: argparse.Namespace) -> int:
-    from bertforge.data import preprocess
+    from bertforge.tasks import preprocess
 
     if cfg.valid_files:  # held-out files take the place of a held-out share
         cfg = dataclasses.replace(cfg, valid_fraction=0.0)
@@ -165,7 +165,7 @@ COMMANDS: dict[str, Command] = {
     ),
     "preprocess": Command(
         "tokenize a corpus into fixed-length shards with a manifest",
-        "bertforge.data.preprocess:PreprocessConfig",
+        "bertforge.tasks.preprocess:PreprocessConfig",
         _preprocess,
     ),
     "pretrain": Command(

@@ -43,6 +43,15 @@ def write_atomic(path: str | Path, data: str | bytes) -> None:
         raise
 
 
+def write_atomic_fs(fs: Any, path: str, data: bytes) -> None:
+    """Write to a temporary name beside `path` on any fsspec filesystem, then rename it to `path`."""
+    parent, slash, name = path.rpartition("/")
+    tmp = f"{parent}{slash}.{name}.tmp"
+    with fs.open(tmp, "wb") as fh:
+        fh.write(data)
+    fs.mv(tmp, path)
+
+
 def temp_folder_beside(path: Path) -> Path:
     """A new empty folder next to `path`, with the permissions mkdir would give (mkdtemp makes it private)."""
     _remove_leftovers(path)

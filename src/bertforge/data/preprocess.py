@@ -1,4 +1,5 @@
-"""Corpus -> fixed-length token blocks in .npy shards plus a manifest.json, streamed, with worker processes.
+"""Corpus -> fixed-length token blocks in .npy shards plus a manifest.json, streamed, with worker processes: the
+pieces that the `preprocess` stage (tasks/preprocess.py) puts together.
 
 Modes (fairseq's --sample-break-mode, RoBERTa's input formats):
 - concat:   documents joined by [SEP] and cut into full blocks; no token is thrown away.
@@ -8,76 +9,36 @@ Every block is [CLS] content [SEP] [PAD]...; a sentence longer than a block is t
 `pack` (complete and doc), several blocks share a row instead of padding it, and models attend within each block.
 
 The output is deterministic whatever the number of workers. Shards are written under a temporary name and
-renamed, and the manifest is written last: a folder without manifest.json is never taken as finished.
+renamed, and the stage writes the manifest last: a folder without manifest.json is never taken as finished.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import hashlib
 import io
 import json
 import multiprocessing
 import os
 import resource
-import sys
 import tempfile
-import time
 import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any
 
 import fsspec
 import numpy as np
-from tqdm.auto import tqdm
 
-from bertforge.data.documents import InputFormat, expand_files, file_size, iter_documents, split_sentences
-from bertforge.data.packing import Packer
+from bertforge.data.documents import InputFormat, iter_documents, split_sentences
 from bertforge.errors import UserError
+from bertforge.fileio import write_atomic_fs
 from bertforge.tokenizer.load import Tokenizer
 
-Mode = Literal["concat", "complete", "doc"]
 MANIFEST = "manifest.json"
 TOKENIZER_DIR = "tokenizer"  # the shards' own copy of their tokenizer, named in the manifest relative to the folder
 FORMAT = "bertforge-shards/1"
 CHUNK_DOCS = 512  # documents per unit of work sent to a worker
-
-
-@dataclasses.dataclass(frozen=True)
-class PreprocessConfig:
-    tokenizer: str  # tokenizer folder
-    files: tuple[str, ...]  # text, JSONL or Parquet: paths, globs, fsspec URLs
-    out: str  # folder or fsspec URL for the shards and manifest.json
-    seq_len: int = 128
-    mode: Mode = "concat"  # concat: cut the joined text; complete: whole sentences; doc: sentences of one document
-    workers: int = 1  # tokenizer processes
-    valid_fraction: float = 0.01  # share of documents held out
-    valid_files: tuple[str, ...] = ()  # held-out files instead of a share of the documents
-    shard_size: int = 65536  # sequences per shard
-    input_format: InputFormat = "auto"
-    doc_per_line: bool = False  # text: one document per line, not per blank-line block
-    text_field: str = "text"  # JSONL field or Parquet column holding the text
-    seed: int = 0  # decides which documents are held out
-    pretokenized: bool = False  # words split by spaces (MeCab, Jieba output), which the tokenizer must keep whole
-    pack: bool = False  # complete, doc: several blocks to a row, attention within each, instead of padding
-
-    def __post_init__(self) -> None:
-        if self.mode not in get_args(Mode):
-            raise ValueError(f"mode {self.mode!r} is not one of {', '.join(get_args(Mode))}")
-        if self.pack and self.mode == "concat":
-            raise ValueError("pack: concat rows are already full; pack rows of mode complete or doc")
-        if self.seq_len < 8:
-            raise ValueError(f"seq_len must be at least 8, got {self.seq_len}")
-        if self.workers < 1:
-            raise ValueError(f"workers must be at least 1, got {self.workers}")
-        if not 0.0 <= self.valid_fraction < 1.0:
-            raise ValueError(f"valid_fraction must be in [0, 1), got {self.valid_fraction}")
-        if self.shard_size < 1:
-            raise ValueError(f"shard_size must be at least 1, got {self.shard_size}")
-        if not self.files:
-            raise ValueError("no input files")
 
 
 def tokenizer_fingerprint(tok: Tokenizer) -> str:
@@ -154,11 +115,7 @@ class ShardWriter:
         np.save(buf, array, allow_pickle=False)
         data = buf.getvalue()
         name = f"{self.split}-{len(self.shards):05d}.npy"
-        path = f"{self.root}/{name}"
-        tmp = f"{self.root}/.{name}.tmp"
-        with self.fs.open(tmp, "wb") as fh:
-            fh.write(data)
-        self.fs.mv(tmp, path)
+        write_atomic_fs(self.fs, f"{self.root}/{name}", data)
         self.pad_tokens += int(np.sum(array == self.pad_id))
         self.shards.append(
             {
@@ -187,8 +144,29 @@ def _is_valid_doc(index: int, seed: int, fraction: float) -> bool:
     return fraction > 0 and zlib.crc32(f"{seed}:{index}".encode()) / 2**32 < fraction
 
 
-def _chunks(docs: Iterator[str], size: int) -> Iterator[list[str]]:
-    chunk: list[str] = []
+def labelled_documents(
+    train_files: list[str],
+    valid_files: list[str],
+    input_format: InputFormat,
+    doc_per_line: bool,
+    text_field: str,
+    seed: int,
+    valid_fraction: float,
+) -> Iterator[tuple[str, str]]:
+    """(split, document) for every document: held-out files go to valid, else a share of the training files."""
+    index = 0
+    for path in train_files:
+        for doc in iter_documents(path, input_format, doc_per_line, text_field):
+            split = "valid" if not valid_files and _is_valid_doc(index, seed, valid_fraction) else "train"
+            index += 1
+            yield split, doc
+    for path in valid_files:
+        for doc in iter_documents(path, input_format, doc_per_line, text_field):
+            yield "valid", doc
+
+
+def _chunks(docs: Iterator[Any], size: int) -> Iterator[list[Any]]:
+    chunk: list[Any] = []
     for doc in docs:
         chunk.append(doc)
         if len(chunk) == size:
@@ -198,7 +176,7 @@ def _chunks(docs: Iterator[str], size: int) -> Iterator[list[str]]:
         yield chunk
 
 
-def _peak_memory_mb() -> float:
+def peak_memory_mb() -> float:
     own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     return (own + children) / 1024  # ru_maxrss is in KiB on Linux
@@ -219,110 +197,21 @@ def read_manifest(root: str) -> dict[str, Any] | None:
     return data
 
 
-def main(cfg: PreprocessConfig, progress: bool | None = None) -> dict[str, Any]:
-    """Preprocess `cfg.files` into shards under `cfg.out`; returns the manifest."""
-    tok = Tokenizer.load(cfg.tokenizer)
-    if cfg.seq_len > tok.model_max_length:
-        raise UserError(
-            f"--seq-len {cfg.seq_len} is longer than the tokenizer's model_max_length {tok.model_max_length} "
-            f"({cfg.tokenizer}/tokenizer_config.json)"
-        )
-    train_files = expand_files(cfg.files)
-    valid_files = expand_files(cfg.valid_files) if cfg.valid_files else []
-    settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("workers",)}
-    settings["files"], settings["valid_files"] = train_files, valid_files
-    fingerprint = tokenizer_fingerprint(tok)
-
-    existing = read_manifest(cfg.out)
-    if existing is not None:
-        if existing.get("settings") == settings and existing.get("tokenizer_sha256") == fingerprint:
-            print(f"{cfg.out} already holds these shards (manifest.json); nothing to do", file=sys.stderr)
-            return existing
-        raise UserError(f"{cfg.out}: already holds shards made with other settings; choose another --out")
-
-    fs, _, (root,) = fsspec.get_fs_token_paths(cfg.out)
-    root = root.rstrip("/")
-    fs.makedirs(root, exist_ok=True)
-    dtype = np.dtype(np.uint16 if tok.vocab_size <= 2**16 else np.int32)
-    writers = {split: ShardWriter(fs, root, split, cfg.shard_size, dtype, tok.pad_id) for split in ("train", "valid")}
-    packers = {split: Packer(cfg.seq_len, cfg.mode, tok.cls_id, tok.sep_id, tok.pad_id, cfg.pack) for split in writers}
-    total_bytes = sum(file_size(f) for f in train_files + valid_files)
-
-    def labelled() -> Iterator[tuple[str, str]]:
-        index = 0
-        for path in train_files:
-            for doc in iter_documents(path, cfg.input_format, cfg.doc_per_line, cfg.text_field):
-                split = "valid" if not valid_files and _is_valid_doc(index, cfg.seed, cfg.valid_fraction) else "train"
-                index += 1
-                yield split, doc
-        for path in valid_files:
-            for doc in iter_documents(path, cfg.input_format, cfg.doc_per_line, cfg.text_field):
-                yield "valid", doc
-
-    def chunks() -> Iterator[list[tuple[str, str]]]:
-        yield from _chunks(labelled(), CHUNK_DOCS)
-
-    by_sentence = cfg.mode != "concat"
-    checked = not cfg.pretokenized
-    show = sys.stderr.isatty() if progress is None else progress
-    bar = tqdm(total=total_bytes or None, unit="B", unit_scale=True, desc="preprocess", disable=not show)
-    start = time.perf_counter()
-    text_tokens = 0
-    documents = collections.Counter()
-    fn = _work_by_sentence if by_sentence else _work_whole
-    for chunk, tokenized in _ordered_map(fn, chunks(), cfg.workers, cfg.tokenizer, tok):
-        if not checked:
-            tok.check_keeps_words([d for _, d in chunk], f"--pretokenized: the tokenizer {cfg.tokenizer}")
-            checked = True
-        for (split, doc), pieces in zip(chunk, tokenized, strict=True):
-            documents[split] += 1
-            text_tokens += sum(len(p) for p in pieces)
-            writers[split].add(packers[split].add_document(pieces))
-            bar.update(len(doc.encode("utf-8")))
-        bar.set_postfix(tokens_per_s=f"{text_tokens / max(time.perf_counter() - start, 1e-9):,.0f}")
-    bar.close()
-    splits = {}
-    for split, writer in writers.items():
-        writer.add(packers[split].finish())
-        splits[split] = writer.close()
-        splits[split]["documents"] = documents[split]
-        splits[split]["split_sentences"] = packers[split].split_sentences
-    if splits["train"]["sequences"] == 0:
-        raise UserError(f"{', '.join(cfg.files)}: no training text (every document went to validation)")
-    _write_tokenizer(fs, root, tok)
-    seconds = time.perf_counter() - start
-    manifest = {
-        "format": FORMAT,
-        "tokenizer": TOKENIZER_DIR,
-        "tokenizer_sha256": fingerprint,
-        "vocab_size": tok.vocab_size,
-        "special_ids": tok.special_ids(),
-        "seq_len": cfg.seq_len,
-        "mode": cfg.mode,
-        "packed": cfg.pack,
-        "dtype": dtype.name,
-        "splits": splits,
-        "text_tokens": text_tokens,
-        "settings": settings,
-        "stats": {"seconds": round(seconds, 3), "peak_memory_mb": round(_peak_memory_mb(), 1)},
-    }
-    tmp = f"{root}/.{MANIFEST}.tmp"
-    with fs.open(tmp, "wb") as fh:
-        fh.write((json.dumps(manifest, indent=2) + "\n").encode("utf-8"))
-    fs.mv(tmp, f"{root}/{MANIFEST}")
-    return manifest
-
-
-def _write_tokenizer(fs: Any, root: str, tok: Tokenizer) -> None:
+def write_tokenizer(fs: Any, root: str, tok: Tokenizer) -> None:
     """A copy of the tokenizer inside the shard folder, so the folder works wherever it is moved or copied."""
     fs.makedirs(f"{root}/{TOKENIZER_DIR}", exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         tok.save(tmp)
         for file in sorted(Path(tmp).iterdir()):
-            path = f"{root}/{TOKENIZER_DIR}/{file.name}"
-            with fs.open(f"{path}.tmp", "wb") as fh:
-                fh.write(file.read_bytes())
-            fs.mv(f"{path}.tmp", path)
+            write_atomic_fs(fs, f"{root}/{TOKENIZER_DIR}/{file.name}", file.read_bytes())
+
+
+def tokenize_in_workers(
+    docs: Iterator[tuple[str, str]], by_sentence: bool, workers: int, tokenizer_dir: str, tok: Tokenizer
+) -> Iterator[tuple[list[tuple[str, str]], list[list[np.ndarray]]]]:
+    """(chunk of labelled documents, each document's token arrays) in corpus order, on `workers` processes."""
+    fn = _work_by_sentence if by_sentence else _work_whole
+    return _ordered_map(fn, _chunks(docs, CHUNK_DOCS), workers, tokenizer_dir, tok)
 
 
 def _work_whole(chunk: list[tuple[str, str]], tok: Tokenizer | None = None) -> list[list[np.ndarray]]:

