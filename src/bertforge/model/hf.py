@@ -83,8 +83,8 @@ def build_with_weights(
     parameters, and the head parameters that were absent (those keep their initial values).
 
     The shapes are checked before a model of that size exists, and only the parameters the tensors do not give are
-    drawn: one small compiled program instead of drawing every weight to throw it away (for MiniLM, seven
-    random-normal programs to compile and 23 million values to draw, about 1.8 s of a 2.2 s load on 2 cores)."""
+    drawn: one small compiled program instead of drawing every weight to throw it away, which was most of a load's
+    time on a CPU."""
     try:
         key_table(cfg, head)  # a config the architecture cannot hold (BERT without a token-type table) names its file
     except UserError as e:
