@@ -165,7 +165,7 @@ def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, w
     reader pad on the right). An all-padding filler row is given one key, so that its output stays finite.
     cuDNN's own sliding window is one-sided (causal), so a two-sided window goes in as a (1, 1, Q, T) boolean
     mask, which the kernel takes as a bias of that shape: the same for every row, so no (B, ...) array is built.
-    It still computes every logit, yet costs far less than XLA's local window (docs/gpu.md has the figures).
+    It still computes every logit, yet costs far less than XLA's local window (docs/gpu.md, section 4).
     """
     tq = q.shape[1]
     lengths = jnp.maximum(mask.reshape(mask.shape[0], -1).sum(axis=-1), 1).astype(jnp.int32)  # (B,)
