@@ -20,6 +20,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import IO
 
 from bertforge.errors import UserError
 
@@ -104,30 +105,8 @@ def _tail(path: Path, lines: int = 5) -> list[str]:
 def main(cfg: LaunchConfig) -> int:
     """Start the processes, wait for them; the exit status of the run (non-zero when any process failed)."""
     port = cfg.port or _free_port()
-    out = _out_dir(cfg.command)
-    log_dir = Path(cfg.log_dir or (Path(out) / "logs" if out and "://" not in out else tempfile.mkdtemp()))
-    try:
-        log_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise UserError(f"{log_dir}: cannot create the log folder ({e.strerror})") from None
-    argv = [sys.executable, "-m", "bertforge.cli", *cfg.command]
-    procs: list[subprocess.Popen] = []
-    logs = []
-    readers: list[threading.Thread] = []
-    for i in range(cfg.num_processes):
-        env = process_env(dict(os.environ), i, cfg, port)
-        if i == 0:
-            p = subprocess.Popen(
-                argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace"
-            )
-            for stream, sink in ((p.stdout, sys.stdout), (p.stderr, sys.stderr)):
-                readers.append(threading.Thread(target=_forward, args=(stream, sink), daemon=True))
-                readers[-1].start()
-        else:
-            log = open(log_dir / f"process-{i}.log", "w")  # noqa: SIM115 (closed below)
-            logs.append(log)
-            p = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
-        procs.append(p)
+    log_dir = _log_dir(cfg)
+    procs, logs, readers = _start(cfg, port, log_dir)
     print(
         f"launched {cfg.num_processes} processes x {cfg.devices_per_process} CPU devices "
         f"(coordinator 127.0.0.1:{port}, pids {', '.join(str(p.pid) for p in procs)}); "
@@ -152,16 +131,7 @@ def main(cfg: LaunchConfig) -> int:
         for reader in readers:
             reader.join(timeout=GRACE_SECONDS)  # process 0's last lines before the verdict
         if failed is not None:
-            i, code = failed
-            lines = [] if i == 0 else _tail(log_dir / f"process-{i}.log")
-            detail = "".join(f"\n  process {i}: {line}" for line in lines)
-            print(
-                f"error: process {i} of {cfg.num_processes} (pid {procs[i].pid}) {describe_exit(code)}; "
-                f"stopped the others. Run the same command to restart all of them from the last checkpoint." + detail,
-                file=sys.stderr,
-                flush=True,
-            )
-            return 128 - code if code < 0 else code
+            return _report_failure(cfg, procs, log_dir, *failed)
         codes = [p.returncode for p in procs]
         return PREEMPTED if PREEMPTED in codes or stopping else 0
     finally:
@@ -169,6 +139,55 @@ def main(cfg: LaunchConfig) -> int:
             signal.signal(s, handler)
         for log in logs:
             log.close()
+
+
+def _log_dir(cfg: LaunchConfig) -> Path:
+    """--log-dir, else RUN/logs for a command with --out RUN (not a URL), else a temporary folder; made here."""
+    out = _out_dir(cfg.command)
+    log_dir = Path(cfg.log_dir or (Path(out) / "logs" if out and "://" not in out else tempfile.mkdtemp()))
+    try:
+        log_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"{log_dir}: cannot create the log folder ({e.strerror})") from None
+    return log_dir
+
+
+def _start(
+    cfg: LaunchConfig, port: int, log_dir: Path
+) -> tuple[list[subprocess.Popen], list[IO[str]], list[threading.Thread]]:
+    """The processes; process 0's output forwarded to this terminal by reader threads, the others' to their logs."""
+    argv = [sys.executable, "-m", "bertforge.cli", *cfg.command]
+    procs: list[subprocess.Popen] = []
+    logs: list[IO[str]] = []
+    readers: list[threading.Thread] = []
+    for i in range(cfg.num_processes):
+        env = process_env(dict(os.environ), i, cfg, port)
+        if i == 0:
+            p = subprocess.Popen(
+                argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace"
+            )
+            for stream, sink in ((p.stdout, sys.stdout), (p.stderr, sys.stderr)):
+                readers.append(threading.Thread(target=_forward, args=(stream, sink), daemon=True))
+                readers[-1].start()
+        else:
+            log = open(log_dir / f"process-{i}.log", "w")  # noqa: SIM115 (closed by main)
+            logs.append(log)
+            p = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+        procs.append(p)
+    return procs, logs, readers
+
+
+def _report_failure(cfg: LaunchConfig, procs: list[subprocess.Popen], log_dir: Path, i: int, code: int) -> int:
+    """Say which process failed and how, with the last lines of its log; the launcher's exit status."""
+    lines = [] if i == 0 else _tail(log_dir / f"process-{i}.log")
+    detail = "".join(f"\n  process {i}: {line}" for line in lines)
+    print(
+        f"error: process {i} of {cfg.num_processes} (pid {procs[i].pid}) {describe_exit(code)}; "
+        f"stopped the others. Run the same command to restart all of them from the last checkpoint." + detail,
+        file=sys.stderr,
+        flush=True,
+    )
+    return 128 - code if code < 0 else code
 
 
 def _wait(procs: list[subprocess.Popen]) -> tuple[int, int] | None:
