@@ -13,7 +13,7 @@ import dataclasses
 import functools
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -156,64 +156,110 @@ def run(
     """
     periodic = [e for e in (evaluate, checkpoint) if e is not None]
     roles = functools.partial(_run_due, log=log, evaluate=evaluate, checkpoint=checkpoint)
-    step = start_step
-    start = time.perf_counter() - elapsed_before
-    agreed = elapsed_before
-
-    def budget_elapsed() -> float:
-        return agreed if clock is not None else time.perf_counter() - start
-
+    step, timer = start_step, _Timer(elapsed_before, clock)
+    meter = ThroughputMeter(flops_per_token, peak_flops)
     pending: list[dict[str, Any]] = []
-    window_start, window_steps, window_tokens, window_paused = time.perf_counter(), 0, 0, 0.0
-    last_lr = 0.0
     with StopFlag() if preemptible else contextlib.nullcontext() as stop_flag:
-        while not budget.done(step, budget_elapsed()):
-            progress = budget.progress(step, budget_elapsed())
+        while not budget.done(step, timer.for_budget()):
+            progress = budget.progress(step, timer.for_budget())
             lr = lr_at(progress)
             batch = next_batch(progress)
-            window_tokens += tokens_in(batch) if tokens_in is not None else 0
-            try:
-                state, metrics = step_fn(state, batch, lr)
-                if step == start_step:
-                    jax.block_until_ready(metrics)
-            except Exception as e:  # XLA reports exhausted memory as a runtime error
-                if step == start_step and "RESOURCE_EXHAUSTED" in str(e).upper():
-                    raise UserError(OOM_HINT) from None
-                raise
+            meter.add(tokens_in(batch) if tokens_in is not None else 0)
+            state, metrics = _step(step_fn, state, batch, lr, first=step == start_step)
             step += 1
-            window_steps += 1
-            last_lr = lr
             pending.append(metrics)
-            boundary = step % log_every == 0 or budget.done(step, budget_elapsed())
+            boundary = step % log_every == 0 or budget.done(step, timer.for_budget())
             stopping = stop_flag is not None and stop_flag.stop_after(step)
             if boundary or stopping or any(e.due(step) for e in periodic):
                 _check_finite(pending, step)
             if boundary:
-                fetched = jax.device_get(pending)
-                seconds = time.perf_counter() - window_start - window_paused  # steps only, not evaluations
-                record = {k: float(np.mean([m[k] for m in fetched])) for k in fetched[-1] if k != "finite"}
-                record["lr"] = last_lr
-                record["step_time"] = seconds / window_steps
-                if window_tokens:
-                    record["tokens_per_s"] = window_tokens / seconds
-                if window_tokens and flops_per_token:
-                    record["mfu"] = flops_per_token * window_tokens / seconds / peak_flops
-                record["elapsed"] = time.perf_counter() - start
-                log(step, record)
-                pending, window_start, window_steps, window_tokens, window_paused = [], time.perf_counter(), 0, 0, 0.0
-                if clock is not None:
-                    agreed = clock(time.perf_counter() - start)
-            roles_start = time.perf_counter()  # the steps are done: _check_finite above waited for them
-            roles(step, state, lambda e, step=step: e.due(step), save_anyway=stopping)
-            window_paused += time.perf_counter() - roles_start
+                log(step, {**_means(pending), "lr": lr, **meter.read(), "elapsed": timer.elapsed()})
+                pending = []
+                meter.start()
+                timer.agree()
+            with meter.paused():  # the steps are done: _check_finite above waited for them
+                roles(step, state, lambda e, step=step: e.due(step), save_anyway=stopping)
             if stopping:
                 raise Preempted(f"stopped by signal {stop_flag.signal} at step {step}")
+        roles(step, state, functools.partial(_due_at_end, step=step, start_step=start_step, checkpoint=checkpoint))
+    return state, step, timer.elapsed()
 
-        def at_end(e: Every) -> bool:
-            return e.at_end and not e.due(step) and (e is not checkpoint or step != start_step)
 
-        roles(step, state, at_end)
-    return state, step, time.perf_counter() - start
+class ThroughputMeter:
+    """Steps and tokens since the last log line, and the seconds they took: evaluations and checkpoints, run while
+    the meter is `paused`, do not count."""
+
+    def __init__(self, flops_per_token: float = 0.0, peak_flops: float = float("nan")) -> None:
+        self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
+        self.start()
+
+    def start(self) -> None:
+        self.began, self.steps, self.tokens, self.paused_for = time.perf_counter(), 0, 0, 0.0
+
+    def add(self, tokens: int = 0) -> None:
+        """One step more, of `tokens` tokens."""
+        self.steps += 1
+        self.tokens += tokens
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.paused_for += time.perf_counter() - began
+
+    def read(self) -> dict[str, float]:
+        """step_time, and with tokens counted tokens_per_s, and with FLOPs per token mfu."""
+        seconds = time.perf_counter() - self.began - self.paused_for  # steps only, not evaluations
+        record = {"step_time": seconds / self.steps}
+        if self.tokens:
+            record["tokens_per_s"] = self.tokens / seconds
+        if self.tokens and self.flops_per_token:
+            record["mfu"] = self.flops_per_token * self.tokens / seconds / self.peak_flops
+        return record
+
+
+class _Timer:
+    """The run's elapsed seconds, and those a time budget sees: with a shared `clock`, what every process agreed on
+    at the last log boundary."""
+
+    def __init__(self, elapsed_before: float, clock: Callable[[float], float] | None) -> None:
+        self.start = time.perf_counter() - elapsed_before
+        self.agreed = elapsed_before
+        self.clock = clock
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def for_budget(self) -> float:
+        return self.agreed if self.clock is not None else self.elapsed()
+
+    def agree(self) -> None:
+        if self.clock is not None:
+            self.agreed = self.clock(self.elapsed())
+
+
+def _step(step_fn: Callable[..., Any], state: Any, batch: Any, lr: float, first: bool) -> tuple[Any, Any]:
+    """One step; the first waits for its result, so that running out of memory there is told as such."""
+    try:
+        state, metrics = step_fn(state, batch, lr)
+        if first:
+            jax.block_until_ready(metrics)
+    except Exception as e:  # XLA reports exhausted memory as a runtime error
+        if first and "RESOURCE_EXHAUSTED" in str(e).upper():
+            raise UserError(OOM_HINT) from None
+        raise
+    return state, metrics
+
+
+def _means(pending: list[dict[str, Any]]) -> dict[str, float]:
+    fetched = jax.device_get(pending)
+    return {k: float(np.mean([m[k] for m in fetched])) for k in fetched[-1] if k != "finite"}
+
+
+def _due_at_end(e: Every, step: int, start_step: int, checkpoint: Every | None) -> bool:
+    return e.at_end and not e.due(step) and (e is not checkpoint or step != start_step)
 
 
 def _run_due(
@@ -237,6 +283,12 @@ def _run_due(
 
 class NonFiniteLoss(UserError):
     pass
+
+
+def non_finite_error(e: NonFiniteLoss, before: str = "", after: str = "") -> UserError:
+    """What a driver stops with on `e`: the loop's words, with what the driver knows of its run `before` and `after`
+    them, and the cure."""
+    return UserError(f"{before}{e}{after}; lower optim.lr or set optim.clip_norm")
 
 
 def _check_finite(pending: list[dict[str, Any]], step: int) -> None:
