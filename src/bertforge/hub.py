@@ -10,6 +10,7 @@ next push sends the newer model. Training never waits for a push except for the 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import shutil
 import sys
 import threading
@@ -50,6 +51,10 @@ class HubConfig:
     def card(self) -> dict[str, Any]:
         """The model card's metadata this section gives (card.model_card's language, datasets and license)."""
         return {"language": self.language, "datasets": self.datasets, "license": self.license}
+
+    def due(self, step: int, checkpoint_every: int) -> bool:
+        """Whether the checkpoint of `step` (one every `checkpoint_every` steps) is also pushed."""
+        return bool(self.repo) and (step // checkpoint_every) % self.every == 0
 
 
 def push_folder(
@@ -158,3 +163,50 @@ class Publisher:
             self._cond.notify()
         if wait:
             self._thread.join()
+
+
+STAGING = ".hub"  # RUN/.hub/NAME (or FOLD/.hub/NAME): exports waiting for their push to the Hub
+
+
+def clear_staging(folder: Path) -> None:
+    """Delete the exports a killed run had not pushed yet (process 0, as a run starts)."""
+    shutil.rmtree(Path(folder) / STAGING, ignore_errors=True)
+
+
+def open_publisher(cfg: HubConfig, say: Callable[[str], None] = _warn) -> Publisher | None:
+    """Process 0's publisher when `cfg` names a repository, else None."""
+    import jax
+
+    return Publisher(cfg, say) if cfg.repo and jax.process_index() == 0 else None
+
+
+def stage(
+    publisher: Publisher, folder: Path, name: str, write: Callable[[Path], None], message: str, path_in_repo: str = ""
+) -> None:
+    """`write` an export into the staging folder FOLDER/.hub/NAME and hand it to `publisher`, which deletes it."""
+    staged = Path(folder) / STAGING / name
+    write(staged)
+    publisher.submit(staged, message, path_in_repo)
+
+
+def copy_of(source: Path) -> Callable[[Path], None]:
+    """A `write` for `stage` that copies the folder `source` (an export already written)."""
+    return functools.partial(_copy_folder, Path(source))
+
+
+def _copy_folder(source: Path, folder: Path) -> None:
+    shutil.rmtree(folder, ignore_errors=True)
+    shutil.copytree(source, folder)
+
+
+def finish(publisher: Publisher | None, say: Callable[[str], None]) -> None:
+    """Training is over: wait for the last push, saying so."""
+    if publisher is not None:
+        say(f"waiting for the last push to {publisher.cfg.repo} to finish")
+        publisher.close()
+
+
+def abandon(publisher: Publisher | None) -> None:
+    """Stop pushing without waiting (after `finish`, a no-op)."""
+    if publisher is not None:
+        publisher.close(wait=False)  # stopped by a signal or an error: no waiting on the network

@@ -174,7 +174,7 @@ def _job(cfg: FinetuneConfig, run_dir: Path, pre: Pretrained, table: Table, vali
         forward_jit=Ahead(jax.jit(functools.partial(predict_step, graphdef, rest), out_shardings=replicated)),
         base_model=cfg.model,
         hub=cfg.hub,
-        publisher=hub.Publisher(cfg.hub) if cfg.hub.repo and jax.process_index() == 0 else None,
+        publisher=hub.open_publisher(cfg.hub),
         hub_folder="fold-{fold}" if several else "",
     )
 
@@ -195,8 +195,7 @@ def _main(
     try:
         summary = _folds(cfg, run_dir, resume, job, table, valid, run, folds)
     finally:
-        if job.publisher is not None:
-            job.publisher.close(wait=False)  # stopped by a signal or an error: no waiting on the network
+        hub.abandon(job.publisher)
     return summary
 
 
@@ -240,9 +239,7 @@ def _folds(
         result = train_fold(job, f, train_rows, valid_rows, resume)
         print(f"fold {f}: {job.metric} {result['score']:.4f} in {result['seconds']:.0f} s", flush=True)
         results.append(result)
-    if job.publisher is not None:
-        print(f"waiting for the last push to {cfg.hub.repo} to finish", flush=True)
-        job.publisher.close()
+    hub.finish(job.publisher, functools.partial(print, flush=True))
     return _summarise(cfg, job, results)
 
 

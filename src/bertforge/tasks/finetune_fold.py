@@ -16,11 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from bertforge import runs
+from bertforge import hub, runs
 from bertforge.card import card_files
 from bertforge.data.batching import by_length, epoch_batches, pad_batch, padded_length
 from bertforge.data.labelled import Table
-from bertforge.errors import UserError
 from bertforge.hub import HubConfig, Publisher
 from bertforge.model.hf import Pretrained, save_pretrained
 from bertforge.runtime.devices import fetch, global_array
@@ -89,9 +88,6 @@ class Job:
     hub: HubConfig = dataclasses.field(default_factory=HubConfig)
     publisher: Publisher | None = None  # process 0's pushes to hub.repo
     hub_folder: str = ""  # where in the Hub repository this run's models go: fold-K/ when it trains several
-
-
-HUB_STAGING = ".hub"  # FOLD/.hub/step-N: exports waiting for their push to the Hub
 
 
 def write_model(job: Job, fold_dir: Path, params: Any, out: Path, step: int) -> None:
@@ -176,7 +172,7 @@ def train_fold(job: Job, fold: int, train_rows: np.ndarray, valid_rows: np.ndarr
     valid_targets = (job.valid_table or job.table).targets[valid_rows]
 
     if jax.process_index() == 0:
-        shutil.rmtree(fold_dir / HUB_STAGING, ignore_errors=True)  # exports a killed run had not pushed yet
+        hub.clear_staging(fold_dir)
     state = new_train_state(jax.device_put(job.pristine, job.param_shardings), job.tx, mesh)
     checkpoints = Checkpoints(fold_dir / runs.CHECKPOINTS, keep_last=1, keep_best=1)
     state, meta = runs.resume(checkpoints, state, fold_dir, resume)
@@ -227,12 +223,12 @@ def train_fold(job: Job, fold: int, train_rows: np.ndarray, valid_rows: np.ndarr
         kept = {*checkpoints.all_steps(), step}
         for gone in [s for s in evaluated if s not in kept]:
             del evaluated[gone]  # its checkpoint is gone: it can no longer be the best
-        if job.hub.repo and (step // every) % job.hub.every == 0:
+        if job.hub.due(step, every):
             params = fetch(state.params)  # every process takes part when the parameters are split over hosts
             if job.publisher is not None:
-                folder = fold_dir / HUB_STAGING / f"step-{step}"
-                write_model(job, fold_dir, params, folder, step)
-                job.publisher.submit(folder, f"fold {fold}, step {step}", job.hub_folder.format(fold=fold))
+                write = functools.partial(write_model, job, fold_dir, params, step=step)
+                where = job.hub_folder.format(fold=fold)
+                hub.stage(job.publisher, fold_dir, f"step-{step}", write, f"fold {fold}, step {step}", where)
 
     log.message(
         f"fold {fold}: {len(train_rows)} training rows, {len(valid_rows)} validation rows; {steps} steps of "
@@ -266,7 +262,7 @@ def train_fold(job: Job, fold: int, train_rows: np.ndarray, valid_rows: np.ndarr
         if best != int(state.step):
             state, _ = checkpoints.restore(best, state)
     except loop.NonFiniteLoss as e:
-        raise UserError(f"fold {fold}: {e}; lower optim.lr or set optim.clip_norm") from None
+        raise loop.non_finite_error(e, before=f"fold {fold}: ") from None
     finally:
         log.close()
         checkpoints.close()
@@ -276,10 +272,9 @@ def train_fold(job: Job, fold: int, train_rows: np.ndarray, valid_rows: np.ndarr
     if jax.process_index() == 0:
         write_model(job, fold_dir, params, fold_dir / runs.MODEL, int(best))
         if job.publisher is not None:
-            folder = fold_dir / HUB_STAGING / "final"
-            shutil.rmtree(folder, ignore_errors=True)
-            shutil.copytree(fold_dir / runs.MODEL, folder)
-            job.publisher.submit(folder, f"fold {fold}, best model (step {best})", job.hub_folder.format(fold=fold))
+            message = f"fold {fold}, best model (step {best})"
+            copy = hub.copy_of(fold_dir / runs.MODEL)
+            hub.stage(job.publisher, fold_dir, "final", copy, message, job.hub_folder.format(fold=fold))
     result = {
         "fold": fold,
         "metric": job.metric,

@@ -8,47 +8,50 @@ dropout, as if it had never stopped.
 from __future__ import annotations
 
 import dataclasses
-import shutil
+import functools
 from collections.abc import Collection
 from pathlib import Path
 from typing import Any, Literal
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from bertforge import hub, runs
 from bertforge.config import to_dict
 from bertforge.data.ramp import Ramp, make_loader, ramp_of
-from bertforge.data.shards import Shards
 from bertforge.errors import UserError
-from bertforge.fileio import write_folder_atomic
-from bertforge.model.architectures import SEGMENT_FAMILIES, count_params
 from bertforge.model.config import ModelConfig, preset
-from bertforge.model.load import load_to_continue
 from bertforge.model.rtd import RtdConfig, generator_config
-from bertforge.runtime.devices import MeshConfig, build_mesh, fetch, param_shardings, process_0s
+from bertforge.runtime.devices import MeshConfig, build_mesh, fetch, process_0s
 from bertforge.tasks.export import export_pretrained
-from bertforge.tasks.init import fit_to_tokenizer
-from bertforge.tokenizer.load import Tokenizer
+from bertforge.tasks.pretrain_setup import (
+    Inputs,
+    ModelParts,
+    StepCache,
+    budget_of,
+    compiler,
+    resolve,
+    resume_state,
+    train_state,
+    write_run_folder,
+)
 from bertforge.train import loop, objectives
 from bertforge.train.checkpoint import Checkpoints
 from bertforge.train.flops import device_peak_flops
-from bertforge.train.loss_scale import with_loss_scale
 from bertforge.train.metrics_log import LogConfig, MetricsLog
-from bertforge.train.optim import OptimConfig, learning_rate, make_optimizer, warmup_fraction
-from bertforge.train.step import TrainState, new_train_state
+from bertforge.train.optim import OptimConfig, learning_rate, warmup_fraction
+from bertforge.train.step import TrainState
 
 
 @dataclasses.dataclass(frozen=True)
-class DataConfig:
+class ShardsConfig:
     shards: str = ""  # shard folder made by `bertforge preprocess`
     tokenizer: str = ""  # tokenizer folder (default: the one the shards were made with)
     seed: int = 0  # data order
 
 
 @dataclasses.dataclass(frozen=True)
-class TrainConfig:
+class PretrainTrainConfig:
     global_batch: int = 32
     grad_accum: int = 1
     max_steps: int | None = None
@@ -95,8 +98,8 @@ class CheckpointConfig:
 @dataclasses.dataclass(frozen=True)
 class PretrainConfig:
     model: ModelConfig = dataclasses.field(default_factory=lambda: preset("mini"))
-    data: DataConfig = dataclasses.field(default_factory=DataConfig)
-    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    data: ShardsConfig = dataclasses.field(default_factory=ShardsConfig)
+    train: PretrainTrainConfig = dataclasses.field(default_factory=PretrainTrainConfig)
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     mlm: MlmConfig = dataclasses.field(default_factory=MlmConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
@@ -112,38 +115,134 @@ class PretrainConfig:
     init_from: str = ""
 
 
-HUB_STAGING = ".hub"  # RUN/.hub/step-N: exports waiting for their push to the Hub
+# ------------------------------------------------------------------------------------------------------ run
+@dataclasses.dataclass(frozen=True)
+class _Run:
+    """What the loop calls back (metric logging, evaluation, checkpoints and the Hub pushes that go with them), the
+    end of the run and its clean-up."""
+
+    cfg: PretrainConfig
+    run_dir: Path
+    inputs: Inputs
+    model: ModelParts
+    mesh: Any
+    loader: Any
+    eval_fn: Any
+    log: MetricsLog
+    checkpoints: Checkpoints
+    publisher: hub.Publisher | None
+    last: dict[str, Any] = dataclasses.field(default_factory=dict)  # the latest value of every metric logged
+    published: list[int] = dataclasses.field(default_factory=list)  # the steps exported for the Hub
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        tokens = self.loader.rows_served * self.inputs.train.seq_len
+        metrics = {"epoch": self.loader.epoch_of(max(step - 1, 0)), "tokens": tokens, **metrics}
+        self.last.update(metrics)
+        self.log.record(step, metrics, ("loss", "lr", "valid_loss"))
+
+    def evaluate(self, step: int, state: TrainState) -> dict[str, float] | None:
+        valid = self.inputs.valid
+        return None if valid is None else objectives.evaluate(self.eval_fn, state.params, valid, self.cfg, self.mesh)
+
+    def save(self, step: int, state: TrainState, evaluation: dict[str, float] | None) -> None:
+        meta = {"loader": self.loader.state_dict(), "elapsed": self.last.get("elapsed", 0.0), "step": step}
+        valid_loss = None if evaluation is None else evaluation["valid_loss"]
+        self.checkpoints.save(step, state, meta, valid_loss=valid_loss)
+        if self.cfg.hub.due(step, self.cfg.checkpoint.every):
+            self.publish(step, state)
+
+    def publish(self, step: int, state: TrainState) -> None:
+        """The model at `step` exported and handed to the background push (every process fetches its part)."""
+        params = fetch(state.params)
+        self.published.append(step)
+        if self.publisher is not None:
+            export = functools.partial(self._export, params, step)
+            hub.stage(self.publisher, self.run_dir, f"step-{step}", export, f"step {step}")
+
+    def _export(self, params: Any, step: int, folder: Path) -> None:
+        model = objectives.exported(nnx.merge(self.model.graphdef, params, self.model.rest))
+        repo, card = self.cfg.hub.repo, self.cfg.hub.card()
+        export_pretrained(model, self.inputs.tokenizer, self.run_dir, folder, step, repo, card)
+
+    def finish(self, step: int, state: TrainState) -> None:
+        """After the last step: its checkpoint and push unless made already, and the wait for both."""
+        if self.checkpoints.latest_step() != step:
+            self.save(step, state, None)
+        if self.cfg.hub.repo and step not in self.published:
+            self.publish(step, state)
+        self.checkpoints.wait()
+        hub.finish(self.publisher, self.log.message)
+
+    def non_finite(self, e: loop.NonFiniteLoss) -> UserError:
+        """The error that stops the run, naming the last good checkpoint."""
+        self.checkpoints.wait()
+        good = self.checkpoints.latest_step()
+        where = (
+            f"the last good checkpoint is {self.run_dir / runs.CHECKPOINTS / str(good)}"
+            if good is not None
+            else "no checkpoint"
+        )
+        return loop.non_finite_error(e, after=f"; no weights were updated with it and {where}")
+
+    def close(self) -> None:
+        hub.abandon(self.publisher)
+        self.loader.close()
+        self.log.close()
+        self.checkpoints.close()
 
 
-# ------------------------------------------------------------------------------------------------------ set-up
-def total_steps(cfg: TrainConfig, batches_per_epoch: int, seq_len: int) -> int | None:
-    options = []
-    if cfg.max_steps is not None:
-        options.append(cfg.max_steps)
-    if cfg.max_epochs is not None:
-        options.append(max(1, int(round(cfg.max_epochs * batches_per_epoch))))
-    if cfg.max_tokens is not None:
-        options.append(max(1, cfg.max_tokens // (cfg.global_batch * seq_len)))
-    return min(options) if options else None
+def _banner(cfg: PretrainConfig, inputs: Inputs, num_params: int, mesh: Any, per_epoch: int, start_step: int) -> str:
+    model_cfg, init, devices = cfg.model, inputs.init, len(mesh.devices.flat)
+    if cfg.objective == "rtd":
+        gen = generator_config(model_cfg, cfg.rtd)
+        what = f"replaced-token detection, a {model_cfg.num_layers}x{model_cfg.hidden_size} discriminator and a "
+        what += f"{gen.num_layers}x{gen.hidden_size} generator"
+    else:
+        what = f"masked LM, {model_cfg.num_layers}x{model_cfg.hidden_size}"
+    return (
+        f"pretraining ({what}; {num_params / 1e6:.1f} M parameters) "
+        f"on {devices} device(s) {dict(mesh.shape)}: global batch {cfg.train.global_batch} "
+        f"({cfg.train.global_batch // devices} per device"
+        f"{f', {cfg.train.grad_accum} accumulation steps' if cfg.train.grad_accum > 1 else ''}) x "
+        f"{inputs.train.seq_len} tokens, {per_epoch} batches per epoch"
+        + (f"; resuming from step {start_step}" if start_step else "")
+        + (f"; continuing {cfg.init_from}" if init is not None and not start_step else "")
+        + ("; with a fresh masked-LM head" if init is not None and init.missing_head and not start_step else "")
+    )
 
 
-def _restore_from(path: Path, state: TrainState) -> tuple[TrainState, dict[str, Any]]:
-    """--resume PATH: a step folder (RUN/checkpoints/N) or a run folder (its latest checkpoint)."""
-    directory, step = (path.parent, int(path.name)) if path.name.isdigit() else (path / runs.CHECKPOINTS, None)
-    if not directory.is_dir():
-        raise UserError(f"{path}: no checkpoint to resume from")
-    source = Checkpoints(directory)
+def _train(
+    run: _Run, state: TrainState, step_fn: StepCache, budget: loop.Budget, start_step: int, elapsed: float
+) -> tuple[int, float]:
+    """The loop, then the last checkpoint and push; (the last step, the seconds the run has taken)."""
+    cfg = run.cfg
+    warmup = warmup_fraction(cfg.optim, budget.max_steps)
+    peak = device_peak_flops(cfg.model.dtype)[0] * len(run.mesh.devices.flat)
     try:
-        if step is None:
-            found = source.restore_newest_good(state)
-            if found is None:
-                raise UserError(f"{path}: no whole checkpoint to resume from")
-            return found[1], found[2]
-        if step not in source.all_steps():
-            raise UserError(f"{path}: no checkpoint to resume from")
-        return source.restore(step, state)
+        state, step, elapsed = loop.run(
+            state,
+            step_fn,
+            next_batch=run.loader.next_at,
+            lr_at=lambda p: learning_rate(cfg.optim, p, warmup),
+            budget=budget,
+            log=run.write,
+            log_every=cfg.log.every,
+            start_step=start_step,
+            evaluate=loop.Every(cfg.eval.every, run.evaluate),
+            checkpoint=loop.Every(cfg.checkpoint.every, run.save),
+            preemptible=True,
+            elapsed_before=elapsed,
+            tokens_in=lambda batch: batch.size,
+            flops_per_token=objectives.flops_per_token(cfg, cfg.model, run.inputs.train.seq_len),
+            peak_flops=peak,
+            clock=process_0s if budget.seconds is not None and jax.process_count() > 1 else None,
+        )
+        run.finish(step, state)
+    except loop.NonFiniteLoss as e:
+        raise run.non_finite(e) from None
     finally:
-        source.close()
+        run.close()
+    return step, elapsed
 
 
 # ------------------------------------------------------------------------------------------------------ main
@@ -164,190 +263,21 @@ def main(
 def _main(
     cfg: PretrainConfig, run_dir: Path, resume: str, vocab_given: bool, model_keys: Collection[str]
 ) -> dict[str, Any]:
-    train_shards = Shards(cfg.data.shards, "train")
-    manifest = train_shards.manifest
-    tokenizer_dir = cfg.data.tokenizer
-    run_tokenizer = run_dir / runs.TOKENIZER
-    if not tokenizer_dir and (run_tokenizer / "tokenizer.json").exists():
-        tokenizer_dir = str(run_tokenizer)  # a resumed run uses its own copy
-    if cfg.init_from and cfg.objective == "rtd":
-        raise UserError(f"--init-from {cfg.init_from}: continuing from a model is for objective mlm, not rtd")
-    if cfg.objective == "rtd" and cfg.model.dtype == "float16":
-        raise UserError("model.dtype=float16 is for objective mlm: replaced-token detection has no loss scale")
-    init = load_to_continue(cfg.init_from, cfg.model, model_keys, cfg.train.seed) if cfg.init_from else None
-    if init is not None:
-        tokenizer, tokenizer_dir = init.tokenizer, f"{cfg.init_from} (--init-from)"
-    elif tokenizer_dir:
-        tokenizer = Tokenizer.load(tokenizer_dir)
-    else:
-        tokenizer, tokenizer_dir = train_shards.tokenizer()
-    train_shards.check_tokenizer(tokenizer, tokenizer_dir)
-    model_cfg = init.model.config if init is not None else fit_to_tokenizer(cfg.model, tokenizer, vocab_given)
-    train_shards.check_model(model_cfg.max_seq_len, model_cfg.vocab_size, "the model (model.max_position_embeddings)")
-    if train_shards.packed and model_cfg.family not in SEGMENT_FAMILIES:
-        raise UserError(
-            f"{cfg.data.shards}: packed shards need an architecture that attends within each packed sequence "
-            f"({', '.join(SEGMENT_FAMILIES)}), not {model_cfg.family}; preprocess without --pack"
-        )
-    valid_shards = Shards(cfg.data.shards, "valid")
-    if valid_shards.num_sequences == 0:
-        valid_shards = None
-    else:
-        valid_shards.verify()  # checked now rather than at the first evaluation, steps later
-    cfg = dataclasses.replace(cfg, model=model_cfg)
-
+    inputs = resolve(cfg, run_dir, vocab_given, model_keys)
+    cfg = inputs.cfg
     mesh = build_mesh(cfg.mesh, cfg.train.global_batch, cfg.train.grad_accum, "train.global_batch")
-    micro = cfg.train.global_batch // cfg.train.grad_accum
-    loader = make_loader(train_shards, cfg.train.global_batch, cfg.train.ramp(), cfg.data.seed, mesh)
-    seq_len = train_shards.seq_len
-    steps = total_steps(cfg.train, loader.batches_per_epoch, seq_len)
-    seconds = cfg.train.time_budget_minutes * 60 if cfg.train.time_budget_minutes else None
-    if steps is None and seconds is None:
-        raise UserError(
-            "no budget: set train.max_steps, train.max_epochs, train.max_tokens or train.time_budget_minutes"
-        )
-    budget = loop.Budget(max_steps=steps, seconds=seconds)
-
-    # Model, optimizer and state, laid out on the mesh by the logical-axis rules.
-    model = init.model if init is not None else objectives.build_model(cfg, model_cfg, cfg.train.seed)
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    shardings = param_shardings(model, mesh)
-    params = jax.device_put(params, shardings)
-    tx = with_loss_scale(make_optimizer(cfg.optim, params, model_cfg.num_layers), model_cfg.dtype)
-    state = new_train_state(params, tx, mesh)
-    state_shardings = jax.tree.map(lambda x: x.sharding, state)
-
+    loader = make_loader(inputs.train, cfg.train.global_batch, cfg.train.ramp(), cfg.data.seed, mesh)
+    budget = budget_of(cfg.train, loader.batches_per_epoch, inputs.train.seq_len)
+    model, state = train_state(cfg, inputs.init, mesh)
     run_dir.mkdir(parents=True, exist_ok=True)
     checkpoints = Checkpoints(run_dir / runs.CHECKPOINTS, cfg.checkpoint.keep_last, cfg.checkpoint.keep_best)
-    key = jax.random.key(cfg.train.seed)
-    start_step, elapsed = 0, 0.0
-    if resume in ("auto", "never"):
-        state, meta = runs.resume(checkpoints, state, run_dir, resume)
-    else:
-        state, meta = _restore_from(Path(resume), state)
-    if meta is not None:
-        loader.load_state_dict(meta["loader"])
-        start_step, elapsed = int(state.step), float(meta.get("elapsed", 0.0))
-
+    state, start_step, elapsed = resume_state(resume, run_dir, checkpoints, state, loader)
     if jax.process_index() == 0:
-        shutil.rmtree(run_dir / HUB_STAGING, ignore_errors=True)  # exports a killed run had not pushed yet
-        if not (run_tokenizer / "tokenizer.json").exists():
-            write_folder_atomic(run_tokenizer, tokenizer.save)
-        runs.write_config(run_dir, cfg)
-        info = {"model": to_dict(model_cfg), "shards": cfg.data.shards, "objective": cfg.objective}
-        runs.write_info(run_dir, "pretrain", info)
-
-    masking = objectives.masking_spec(cfg, tokenizer, manifest["special_ids"], model_cfg.vocab_size)
-    ids = (tokenizer.pad_id, tokenizer.cls_id if train_shards.packed else None)  # padding, packed rows' [CLS]
-    step_jit, eval_fn = objectives.compile_steps(cfg, graphdef, rest, tx, state_shardings, mesh, seq_len, masking, *ids)
-
-    compiled = {cfg.train.grad_accum: step_jit}  # by micro-batches per step: one program per size a ramp takes
-
-    def step_fn(state: TrainState, batch: Any, lr: float) -> tuple[TrainState, dict[str, Any]]:
-        n = batch.shape[0] // micro
-        if n not in compiled:
-            train = dataclasses.replace(
-                cfg.train, global_batch=n * micro, grad_accum=n, batch_ramp=0.0, batch_ramp_start=None
-            )
-            c = dataclasses.replace(cfg, train=train)
-            compiled[n] = objectives.compile_steps(
-                c, graphdef, rest, tx, state_shardings, mesh, seq_len, masking, *ids
-            )[0]
-        return compiled[n](state, batch, jnp.float32(lr), key)
-
-    warmup = warmup_fraction(cfg.optim, steps)
-    flops = objectives.flops_per_token(cfg, model_cfg, seq_len)
-    peak = device_peak_flops(model_cfg.dtype)[0] * len(mesh.devices.flat)
-    log = MetricsLog(run_dir, cfg.log, steps, start_step, to_dict(cfg))
-    last: dict[str, Any] = {}
-
-    def write(step: int, metrics: dict[str, float]) -> None:
-        metrics = {"epoch": loader.epoch_of(max(step - 1, 0)), "tokens": loader.rows_served * seq_len, **metrics}
-        last.update(metrics)
-        log.record(step, metrics, ("loss", "lr", "valid_loss"))
-
-    publisher = hub.Publisher(cfg.hub, log.message) if cfg.hub.repo and jax.process_index() == 0 else None
-    published: list[int] = []
-
-    def publish(step: int, state: TrainState) -> None:
-        """The model at `step` exported and handed to the background push (every process fetches its part)."""
-        params = fetch(state.params)
-        published.append(step)
-        if publisher is None:
-            return
-        folder = run_dir / HUB_STAGING / f"step-{step}"
-        model = objectives.exported(nnx.merge(graphdef, params, rest))
-        export_pretrained(model, tokenizer, run_dir, folder, step, cfg.hub.repo, cfg.hub.card())
-        publisher.submit(folder, f"step {step}")
-
-    def save(step: int, state: TrainState, evaluation: dict[str, float] | None) -> None:
-        meta = {"loader": loader.state_dict(), "elapsed": last.get("elapsed", 0.0), "step": step}
-        checkpoints.save(step, state, meta, valid_loss=None if evaluation is None else evaluation["valid_loss"])
-        if cfg.hub.repo and (step // cfg.checkpoint.every) % cfg.hub.every == 0:
-            publish(step, state)
-
-    def evaluate(step: int, state: TrainState) -> dict[str, float] | None:
-        return None if valid_shards is None else objectives.evaluate(eval_fn, state.params, valid_shards, cfg, mesh)
-
-    if cfg.objective == "rtd":
-        gen = generator_config(model_cfg, cfg.rtd)
-        what = f"replaced-token detection, a {model_cfg.num_layers}x{model_cfg.hidden_size} discriminator and a "
-        what += f"{gen.num_layers}x{gen.hidden_size} generator"
-    else:
-        what = f"masked LM, {model_cfg.num_layers}x{model_cfg.hidden_size}"
-    log.message(
-        f"pretraining ({what}; {count_params(params) / 1e6:.1f} M parameters) "
-        f"on {len(mesh.devices.flat)} device(s) {dict(mesh.shape)}: global batch {cfg.train.global_batch} "
-        f"({cfg.train.global_batch // len(mesh.devices.flat)} per device"
-        f"{f', {cfg.train.grad_accum} accumulation steps' if cfg.train.grad_accum > 1 else ''}) x {seq_len} tokens, "
-        f"{loader.batches_per_epoch} batches per epoch"
-        + (f"; resuming from step {start_step}" if start_step else "")
-        + (f"; continuing {cfg.init_from}" if init is not None and not start_step else "")
-        + ("; with a fresh masked-LM head" if init is not None and init.missing_head and not start_step else "")
-    )
-    try:
-        state, step, elapsed = loop.run(
-            state,
-            step_fn,
-            next_batch=loader.next_at,
-            lr_at=lambda p: learning_rate(cfg.optim, p, warmup),
-            budget=budget,
-            log=write,
-            log_every=cfg.log.every,
-            start_step=start_step,
-            evaluate=loop.Every(cfg.eval.every, evaluate),
-            checkpoint=loop.Every(cfg.checkpoint.every, save),
-            preemptible=True,
-            elapsed_before=elapsed,
-            tokens_in=lambda batch: batch.size,
-            flops_per_token=flops,
-            peak_flops=peak,
-            clock=process_0s if seconds is not None and jax.process_count() > 1 else None,
-        )
-        if checkpoints.latest_step() != step:
-            save(step, state, None)
-        if cfg.hub.repo and step not in published:
-            publish(step, state)
-        checkpoints.wait()
-        if publisher is not None:
-            log.message(f"waiting for the last push to {cfg.hub.repo} to finish")
-            publisher.close()
-    except loop.NonFiniteLoss as e:
-        checkpoints.wait()
-        good = checkpoints.latest_step()
-        where = (
-            f"the last good checkpoint is {run_dir / runs.CHECKPOINTS / str(good)}"
-            if good is not None
-            else "no checkpoint"
-        )
-        raise UserError(
-            f"{e}; no weights were updated with it and {where}; lower optim.lr or set optim.clip_norm"
-        ) from None
-    finally:
-        if publisher is not None:
-            publisher.close(wait=False)  # stopped by a signal or an error: no waiting on the network
-        loader.close()
-        log.close()
-        checkpoints.close()
-    last.update(step=step, elapsed=elapsed)
-    return last
+        write_run_folder(run_dir, cfg, inputs.tokenizer)
+    step_fn = StepCache(cfg, compiler(cfg, inputs, model, mesh))
+    log = MetricsLog(run_dir, cfg.log, budget.max_steps, start_step, to_dict(cfg))
+    publisher = hub.open_publisher(cfg.hub, log.message)
+    run = _Run(cfg, run_dir, inputs, model, mesh, loader, step_fn.eval_fn, log, checkpoints, publisher)
+    log.message(_banner(cfg, inputs, model.num_params, mesh, loader.batches_per_epoch, start_step))
+    step, elapsed = _train(run, state, step_fn, budget, start_step, elapsed)
+    return {**run.last, "step": step, "elapsed": elapsed}
