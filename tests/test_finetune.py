@@ -102,18 +102,27 @@ def test_parquet_tables_and_error_weights(tmp_path):
     pa = pytest.importorskip("pyarrow")
     import pyarrow.parquet as pq
 
-    from bertforge.data.labelled import DataConfig, read_table
+    from bertforge.data.labelled import TableConfig, read_table
+    from bertforge.finetuning import TASKS
     from bertforge.tasks.finetune import FinetuneConfig
 
     errors = [0.5, 0.25, 0.0, 1.0]  # 0 marks an anchor row: it counts like the smallest error
     table = pa.table({"text": ["a b", "c d", "e", "f g h"], "target": [1.0, 2.0, 0.0, -1.0], "se": errors})
     path = tmp_path / "t.parquet"
     pq.write_table(table, path)
-    cfg = FinetuneConfig(data=DataConfig(train=str(path), error_column="se"))
-    got = read_table(str(path), cfg.data, cfg.head.task)
+    cfg = FinetuneConfig(data=TableConfig(train=str(path), error_column="se"))
+    got = read_table(str(path), cfg.data, TASKS[cfg.head.task].read_targets)
     assert got.texts == ["a b", "c d", "e", "f g h"] and got.targets[:, 0].tolist() == [1.0, 2.0, 0.0, -1.0]
     inverse = 1 / np.array([0.5, 0.25, 0.25, 1.0]) ** 2
     np.testing.assert_allclose(got.weights, inverse / inverse.mean(), rtol=1e-6)
+
+
+def test_every_task_module_declares_the_task_interface():
+    from bertforge.finetuning import TASKS, FinetuneTask
+
+    for name, task in TASKS.items():
+        assert isinstance(task, FinetuneTask) and name == task.NAME
+        assert task.DEFAULT_LOSS in task.LOSSES and task.DEFAULT_METRIC in metrics.HIGHER_IS_BETTER
 
 
 # ------------------------------------------------------------------------------------------------------ metrics

@@ -60,8 +60,9 @@ def write_quoted_tsv(path: Path, columns: list[str], rows: list[list[str]]) -> P
 
 
 def test_quoted_tsv_is_read_with_its_quoting_when_asked(tmp_path):
-    from bertforge.data.labelled import DataConfig
+    from bertforge.data.labelled import TableConfig
     from bertforge.data.labelled import read_table as read_training_table
+    from bertforge.finetuning import regression
 
     rows = [["0", "a\tb", "1"], ["1", 'say "hi"', "2"], ["2", "two\nlines", "3"], ["3", '"', "4"]]
     path = write_quoted_tsv(tmp_path / "q.tsv", ["id", "text", "target"], rows)
@@ -69,7 +70,7 @@ def test_quoted_tsv_is_read_with_its_quoting_when_asked(tmp_path):
     assert columns == ["id", "text", "target"] and [list(r.values()) for r in got] == rows
     with pytest.raises(UserError, match=r"q\.tsv: row 1 has 4 tab-separated field\(s\)"):
         read_table(str(path))  # without the option the quotes are text and the tab splits the field
-    table = read_training_table(str(path), DataConfig(quoted_tsv=True), "regression")
+    table = read_training_table(str(path), TableConfig(quoted_tsv=True), regression.read_targets)
     assert table.texts == [r[1] for r in rows] and table.targets[:, 0].tolist() == [1.0, 2.0, 3.0, 4.0]
 
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import yaml
 
+from bertforge.finetuning import TASKS
 from bertforge.model.architectures import config_to_hf
 from bertforge.model.config import ModelConfig
 
@@ -26,7 +27,7 @@ HUB_ID = re.compile(r"[A-Za-z0-9][\w.\-]*/[\w.\-]+")
 
 
 def _metadata(
-    model: ModelConfig, head: str, metrics: list[str], base_model: str, language: tuple[str, ...],
+    model: ModelConfig, head: str, pipeline: str, metrics: list[str], base_model: str, language: tuple[str, ...],
     datasets: tuple[str, ...], license: str,
 ) -> dict[str, Any]:  # fmt: skip
     meta: dict[str, Any] = {"library_name": "transformers"}
@@ -39,8 +40,8 @@ def _metadata(
     # The Hub takes a base model only as a repository id; a local folder means nothing to it.
     if base_model and HUB_ID.fullmatch(base_model) and not Path(base_model).exists():
         meta["base_model"] = base_model
-    meta["pipeline_tag"] = PIPELINES[head]
-    meta["tags"] = ["bertforge", config_to_hf(model, head)["model_type"], PIPELINES[head]]
+    meta["pipeline_tag"] = pipeline
+    meta["tags"] = ["bertforge", config_to_hf(model, head)["model_type"], pipeline]
     if metrics:
         meta["metrics"] = metrics
     return meta
@@ -64,6 +65,15 @@ def _table(values: dict[str, float]) -> str:
     return "\n".join(["| metric | value |", "|---|---|", *rows]) if rows else "No metrics were logged."
 
 
+def _model_kind(head: str, task: str) -> tuple[str, str, str]:
+    """The pipeline tag, what the model is and the transformers class that loads it: a fine-tuning task's, else
+    its head's."""
+    if task:
+        found = TASKS[task]
+        return found.PIPELINE_TAG, found.DESCRIPTION, found.AUTO_CLASS
+    return PIPELINES[head], WHAT[head], AUTO[head]
+
+
 def model_card(
     *,
     name: str,
@@ -79,14 +89,14 @@ def model_card(
     datasets: tuple[str, ...] = (),
     license: str = "",
     curves: bool = True,
+    task: str = "",
 ) -> str:
     """README.md of an exported model: `name` its Hub repository (ORG/NAME) or folder name, `kind` 'pretrain' or
-    'finetune', `records` its metrics.jsonl."""
-    meta = _metadata(model, head, list(metrics), base_model, language, datasets, license)
-    what = WHAT[head]
+    'finetune', `records` its metrics.jsonl, `task` the fine-tuning task (finetuning.TASKS) of a fine-tuned one."""
+    pipeline, what, auto = _model_kind(head, task)
+    meta = _metadata(model, head, pipeline, list(metrics), base_model, language, datasets, license)
     how = "pretrained" if kind == "pretrain" else "fine-tuned"
     model_type = meta["tags"][1]
-    auto = AUTO[head]
     where = name if "/" in name else "path/to/this/folder"  # a Hub repository, or wherever it was written
     size = f"{model.num_layers} layers, hidden size {model.hidden_size}, vocabulary {model.vocab_size:,}"
     lines = [

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import numpy as np
 
@@ -73,18 +74,19 @@ def assign_folds(
     return folds
 
 
-def fold_plan(cfg: FoldsConfig, table: Table, task: str) -> np.ndarray:
-    """(N,) fold of every row, stratified on the class or the binned target, or grouped."""
+# A task's strata (finetuning.FinetuneTask.strata): (table, folds.bins) -> the stratum of every row, or None.
+Strata = Callable[[Table, int], np.ndarray | None]
+
+
+def fold_plan(cfg: FoldsConfig, table: Table, strata: Strata) -> np.ndarray:
+    """(N,) fold of every row, stratified on what a task's `strata` gives (its class, its binned target), or
+    grouped."""
     n, k = len(table), cfg.k
     if n < k:
         raise UserError(f"{table.path}: {n} rows cannot make {k} folds (folds.k)")
-    strata = None
-    if task == "classification":
-        strata = table.targets
-    elif task == "regression":
-        strata = bin_targets(table.targets[:, 0], cfg.bins or sturges_bins(n))
+    by = strata(table, cfg.bins)
     try:
-        return assign_folds(n, k, cfg.seed, strata, None if table.groups is None else np.array(table.groups))
+        return assign_folds(n, k, cfg.seed, by, None if table.groups is None else np.array(table.groups))
     except ValueError as e:
         raise UserError(f"{table.path}: {e}") from None
 

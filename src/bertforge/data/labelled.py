@@ -4,7 +4,8 @@ checked value by value, so that a bad row is named before anything trains."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -15,7 +16,7 @@ from bertforge.tokenizer.load import TRUNCATIONS, Truncation
 
 
 @dataclasses.dataclass(frozen=True)
-class DataConfig:
+class TableConfig:
     train: str = ""  # training table: CSV, TSV, JSONL or Parquet, local or fsspec URL
     valid: str = ""  # a separate validation table instead of folds
     text_column: str = "text"
@@ -61,36 +62,22 @@ class Table:
         return self.ids or [str(i) for i in range(len(self))]
 
 
-def read_table(path: str, cfg: DataConfig, task: str, classes: Sequence[str] | None = None) -> Table:
-    """A training or validation table of `task` with every value checked; errors name the file, row and column.
-    A validation table takes the training table's `classes`."""
+# A task's reader of its targets (finetuning.FinetuneTask.read_targets): (path, columns, rows, cfg, classes) ->
+# (targets, each row's label as written or None).
+TargetReader = Callable[
+    [str, list[str], list[dict[str, Any]], TableConfig, Sequence[str] | None], tuple[np.ndarray, list[str] | None]
+]
+
+
+def read_table(path: str, cfg: TableConfig, read_targets: TargetReader, classes: Sequence[str] | None = None) -> Table:
+    """A training or validation table with every value checked; errors name the file, row and column. A task's
+    `read_targets` reads its targets; a validation table takes the training table's `classes` (output names)."""
     columns, rows = tabular.read_table(path, quoted_tsv=cfg.quoted_tsv)
     if not rows:
         raise UserError(f"{path}: no rows")
     texts = tabular.text_column(path, columns, rows, cfg.text_column)
     pairs = tabular.text_column(path, columns, rows, cfg.text_pair_column) if cfg.text_pair_column else None
-    labels = None
-    if task == "classification":
-        if len(cfg.target_columns) != 1:
-            raise UserError(f"classification takes one target column, got {', '.join(cfg.target_columns)}")
-        labels = tabular.label_column(path, columns, rows, cfg.target_columns[0])
-        known = list(classes) if classes is not None else sorted_classes(labels)
-        index = {c: i for i, c in enumerate(known)}
-        for i, label in enumerate(labels):
-            if label not in index:
-                raise UserError(
-                    f"{path}: row {i + 1}: class '{label}' in column '{cfg.target_columns[0]}' never occurs in the "
-                    f"training data ({', '.join(known)})"
-                )
-        targets = np.array([index[label] for label in labels], np.int32)
-    else:
-        targets = np.stack([tabular.numeric_column(path, columns, rows, c) for c in cfg.target_columns], axis=1)
-        if task == "multilabel":
-            bad = np.argwhere((targets != 0) & (targets != 1))
-            if len(bad):
-                i, j = bad[0]
-                raise UserError(f"{path}: row {i + 1}: column '{cfg.target_columns[j]}' must be 0 or 1")
-        targets = targets.astype(np.float32)
+    targets, labels = read_targets(path, columns, rows, cfg, classes)
     weights = np.ones(len(rows), np.float32)
     if cfg.error_column:
         errors = tabular.numeric_column(path, columns, rows, cfg.error_column)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
 import jax
 import numpy as np
@@ -21,25 +21,25 @@ from bertforge import hub, runs
 from bertforge.config import to_dict
 from bertforge.data.batching import epoch_batches, ladder
 from bertforge.data.folds import FoldsConfig, check_classes, fold_plan, folds_to_run
-from bertforge.data.labelled import DataConfig, Table, read_table, sorted_classes
+from bertforge.data.labelled import Table, TableConfig, read_table
 from bertforge.errors import UserError
+from bertforge.finetuning import TASKS
 from bertforge.model import dropout
 from bertforge.model.hf import Pretrained
 from bertforge.model.load import load_model
 from bertforge.runtime.devices import MeshConfig, build_mesh, param_shardings
-from bertforge.tasks.finetune_fold import Job, TrainConfig, scores, train_fold
+from bertforge.tasks.finetune_fold import FinetuneTrainConfig, Job, scores, train_fold
 from bertforge.tasks.infer import prediction_table
 from bertforge.train import metrics
 from bertforge.train.ahead import Ahead
 from bertforge.train.loss_scale import with_loss_scale
 from bertforge.train.metrics_log import LogConfig
 from bertforge.train.optim import OptimConfig, make_optimizer
-from bertforge.train.sequence_step import DEFAULT_LOSS, LOSSES, SequenceStepConfig, compile_train_step, predict_step
+from bertforge.train.sequence_step import LOSSES, SequenceStepConfig, compile_train_step, predict_step
 from bertforge.train.step import new_train_state
 
-Task = Literal["regression", "classification", "multilabel"]
-TASKS: tuple[str, ...] = get_args(Task)
-DEFAULT_METRIC = {"regression": "rmse", "classification": "accuracy", "multilabel": "auc"}
+# The registry's task names, as a Literal: the `--task` flag's choices and the config's check come from it.
+Task = Literal[tuple(TASKS)]  # type: ignore[valid-type]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,10 +68,10 @@ def _finetune_optim() -> OptimConfig:
 @dataclasses.dataclass(frozen=True)
 class FinetuneConfig:
     model: str = ""  # Hugging Face folder, hub id, or a bertforge pretraining run
-    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    data: TableConfig = dataclasses.field(default_factory=TableConfig)
     folds: FoldsConfig = dataclasses.field(default_factory=FoldsConfig)
     head: HeadConfig = dataclasses.field(default_factory=HeadConfig)
-    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    train: FinetuneTrainConfig = dataclasses.field(default_factory=FinetuneTrainConfig)
     optim: OptimConfig = dataclasses.field(default_factory=_finetune_optim)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     log: LogConfig = dataclasses.field(default_factory=lambda: LogConfig(every=10, tensorboard=False))
@@ -84,25 +84,24 @@ def _setup(cfg: FinetuneConfig) -> tuple[Pretrained, Table, Table | None, list[i
         raise UserError("no model given (--model HF_DIR_OR_HUB_ID_OR_RUN)")
     if not cfg.data.train:
         raise UserError("no training data given (--data TABLE)")
-    task = cfg.head.task
-    table = read_table(cfg.data.train, cfg.data, task)
+    task = TASKS[cfg.head.task]
+    table = read_table(cfg.data.train, cfg.data, task.read_targets)
     valid = None
-    classes = sorted_classes(table.labels) if table.labels is not None else None
+    names = task.output_names(table, cfg.data)
     if cfg.data.valid:
-        valid = read_table(cfg.data.valid, cfg.data, task, classes)
+        valid = read_table(cfg.data.valid, cfg.data, task.read_targets, names)
     run = [0] if cfg.data.valid else folds_to_run(cfg.folds)
-    folds = None if valid is not None else fold_plan(cfg.folds, table, task)
+    folds = None if valid is not None else fold_plan(cfg.folds, table, task.strata)
     if folds is not None:
         check_classes(table, folds, run)
-    num_labels = len(classes) if classes is not None else len(cfg.data.target_columns)
     h = cfg.head
     t = cfg.train
     overrides: dict[str, Any] = {"pooling": h.pooling, "dtype": t.dtype, "remat": t.remat, "attention": t.attention}
     for name in ("hidden_dropout", "attention_dropout", "classifier_dropout"):
         if getattr(h, name) is not None:
             overrides[name] = getattr(h, name)
-    pre = load_model(cfg.model, head="sequence", num_labels=num_labels, seed=cfg.train.seed, overrides=overrides)
-    pre.id2label = dict(enumerate(classes if classes is not None else cfg.data.target_columns))
+    pre = load_model(cfg.model, head=task.HEAD, num_labels=len(names), seed=cfg.train.seed, overrides=overrides)
+    pre.id2label = dict(enumerate(names))
     return pre, table, valid, run, folds
 
 
@@ -139,7 +138,8 @@ def _job(cfg: FinetuneConfig, run_dir: Path, pre: Pretrained, table: Table, vali
     probe = new_train_state(jax.device_put(pristine, shardings), tx, mesh)
     state_shardings = jax.tree.map(lambda x: x.sharding, probe)
     del probe
-    loss = cfg.head.loss or DEFAULT_LOSS[cfg.head.task]
+    task = TASKS[cfg.head.task]
+    loss = cfg.head.loss or task.DEFAULT_LOSS
     t = cfg.train
     step_cfg = SequenceStepConfig(
         loss, t.grad_accum, t.sparse_embeddings, row_capacity=t.batch_size * limit, dropout=dropout.draws(pre.model)
@@ -152,9 +152,9 @@ def _job(cfg: FinetuneConfig, run_dir: Path, pre: Pretrained, table: Table, vali
         optim=cfg.optim,
         log=cfg.log,
         config=to_dict(cfg),
-        task=cfg.head.task,
+        task=task,
         loss=loss,
-        metric=cfg.head.metric or DEFAULT_METRIC[cfg.head.task],
+        metric=cfg.head.metric or task.DEFAULT_METRIC,
         bucket=cfg.data.bucket,
         pool=cfg.data.pool,
         limit=limit,
@@ -268,12 +268,9 @@ def _summarise(cfg: FinetuneConfig, job: Job, results: list[dict[str, Any]]) -> 
     if jax.process_index() == 0:
         ids = table.row_ids()
         names = [job.pre.id2label[i] for i in range(len(job.pre.id2label))]
-        if table.labels is not None:
-            truth = (["target"], [[table.labels[r]] for r in rows])
-        else:
-            truth = (list(cfg.data.target_columns), [[f"{x:.7g}" for x in table.targets[r]] for r in rows])
+        truth = job.task.truth_columns(table, cfg.data, rows)
         keys = [("id", [ids[r] for r in rows]), ("fold", [int(f) for f in fold_of])]
-        header, body = prediction_table(cfg.head.task, names, outputs, keys, truth)
+        header, body = prediction_table(job.task, names, outputs, keys, truth)
         runs.write_outcome(job.run_dir, header, body, summary)
     return summary
 

@@ -8,6 +8,7 @@ import functools
 import math
 import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from bertforge import hub, runs
 from bertforge.card import card_files
 from bertforge.data.batching import by_length, epoch_batches, pad_batch, padded_length
 from bertforge.data.labelled import Table
+from bertforge.finetuning import FinetuneTask
 from bertforge.hub import HubConfig, Publisher
 from bertforge.model.hf import Pretrained, save_pretrained
 from bertforge.runtime.devices import fetch, global_array
@@ -34,7 +36,7 @@ from bertforge.train.step import TrainState, new_train_state
 
 
 @dataclasses.dataclass(frozen=True)
-class TrainConfig:
+class FinetuneTrainConfig:
     batch_size: int = 16
     grad_accum: int = 1
     epochs: float = 3.0
@@ -60,11 +62,11 @@ class Job:
     """What every fold shares. The programs are made once, so that every fold runs the ones the first compiled."""
 
     run_dir: Path
-    train: TrainConfig
+    train: FinetuneTrainConfig
     optim: OptimConfig
     log: LogConfig
     config: dict[str, Any]  # the run's whole config, for W&B
-    task: str
+    task: FinetuneTask
     loss: str
     metric: str
     bucket: int  # padded lengths are multiples of this
@@ -101,11 +103,12 @@ def write_model(job: Job, fold_dir: Path, params: Any, out: Path, step: int) -> 
         kind="finetune",
         records=records,
         model=model.config,
-        head="sequence",
+        head=job.task.HEAD,
         config=config,
         step=step,
         metrics=(job.metric,),
         base_model=job.base_model,
+        task=job.task.NAME,
         **job.hub.card(),
     )
     save_pretrained(model, out, job.pre.tokenizer, job.pre.id2label, extra_files=card)
@@ -124,12 +127,7 @@ def _batch(job: Job, rows: np.ndarray, length: int) -> dict[str, np.ndarray]:
 
 def scores(job: Job, outputs: np.ndarray, targets: np.ndarray) -> dict[str, float]:
     """The task's metrics and the loss of `outputs` against `targets`."""
-    if job.task == "regression":
-        found = metrics.regression(outputs, targets)
-    elif job.task == "classification":
-        found = metrics.classification(outputs, targets)
-    else:
-        found = metrics.multilabel(outputs, targets)
+    found = job.task.scores(outputs, targets)
     found["loss"] = float(_mean_loss(outputs, targets, job.loss))
     return found
 
@@ -162,99 +160,94 @@ def compile_ahead(job: Job, state: TrainState, key: jax.Array, lengths: np.ndarr
         job.forward_jit.ahead(state.params, {k: global_array(batch[k], job.mesh) for k in INPUTS})
 
 
+@dataclasses.dataclass(frozen=True)
+class Fold:
+    """One fold's rows and the schedule of its steps."""
+
+    number: int
+    dir: Path
+    train_rows: np.ndarray
+    valid_rows: np.ndarray
+    lengths: np.ndarray  # the training rows' token counts
+    valid_encs: list[Encoded]
+    valid_targets: np.ndarray
+    per_epoch: int  # steps per epoch
+    steps: int
+    every: int  # steps between evaluations, and between checkpoints
+    started: float  # time.perf_counter() when this run of the fold started
+    elapsed: float  # seconds the fold ran before a resume
+
+    def seconds(self) -> float:
+        """Seconds the fold has run, earlier runs included."""
+        return time.perf_counter() - self.started + self.elapsed
+
+
 def train_fold(job: Job, fold: int, train_rows: np.ndarray, valid_rows: np.ndarray, resume: str) -> dict[str, Any]:
     """Train fold `fold` (continuing from its newest checkpoint when it has one); returns its result.json."""
-    train, mesh = job.train, job.mesh
     fold_dir = runs.fold_dir(job.run_dir, fold)
     fold_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    valid_encs = [(job.valid_encs or job.encs)[i] for i in valid_rows]
-    valid_targets = (job.valid_table or job.table).targets[valid_rows]
-
     if jax.process_index() == 0:
         hub.clear_staging(fold_dir)
-    state = new_train_state(jax.device_put(job.pristine, job.param_shardings), job.tx, mesh)
+    state = new_train_state(jax.device_put(job.pristine, job.param_shardings), job.tx, job.mesh)
     checkpoints = Checkpoints(fold_dir / runs.CHECKPOINTS, keep_last=1, keep_best=1)
     state, meta = runs.resume(checkpoints, state, fold_dir, resume)
     start_step, elapsed = (0, 0.0) if meta is None else (int(state.step), float(meta.get("elapsed", 0.0)))
+    plan = _plan(job, fold, fold_dir, train_rows, valid_rows, started, elapsed)
+    state, best, outputs = _train(job, plan, state, checkpoints, start_step)
+    return _finish(job, plan, state, best, outputs)
 
-    size = train.batch_size
-    per_epoch = math.ceil(len(train_rows) / size)
-    steps = max(1, round(train.epochs * per_epoch))
-    every = max(1, per_epoch // train.evals_per_epoch)
-    lengths = np.array([len(job.encs[i].ids) for i in train_rows])
-    plans: dict[int, list[np.ndarray]] = {}
-    cursor = [start_step]
 
-    def next_batch(_progress: float) -> dict[str, jax.Array]:
-        epoch, i = divmod(cursor[0], per_epoch)
-        cursor[0] += 1
-        if epoch not in plans:
-            plans.clear()
-            plans[epoch] = epoch_batches(lengths, size, job.bucket, train.seed, epoch, job.pool)
-        local = plans[epoch][i]
-        length = padded_length(int(lengths[local].max()), job.limit, job.bucket, job.rungs)
-        batch = _batch(job, train_rows[local], length)
-        return {k: global_array(v, mesh) for k, v in batch.items()}
-
-    key = jax.random.key(train.seed + fold)
-
-    def outputs_of(params: Any) -> np.ndarray:
-        forward = lambda b: job.forward_jit(params, {k: global_array(b[k], mesh) for k in INPUTS})  # noqa: E731
-        return outputs_by_length(
-            forward, valid_encs, job.pre.tokenizer.pad_id, train.eval_batch_size, job.limit, job.bucket, rungs=job.rungs
-        )
-
-    log = MetricsLog(fold_dir, job.log, steps, start_step, job.config)
-    sign = -1.0 if metrics.HIGHER_IS_BETTER[job.metric] else 1.0  # checkpoints keep the lowest
-
-    evaluated: dict[int, np.ndarray] = {}  # step -> validation outputs: the best step's are the fold's outputs
-
-    def evaluate(step: int, state: TrainState) -> dict[str, float]:
-        began = time.perf_counter()
-        evaluated[step] = outputs_of(state.params)
-        found = {f"valid_{k}": v for k, v in scores(job, evaluated[step], valid_targets).items()}
-        return {**found, "eval_seconds": time.perf_counter() - began}
-
-    def save(step: int, state: TrainState, evaluation: dict[str, float] | None) -> None:
-        meta = {"elapsed": time.perf_counter() - started + elapsed, "step": step}
-        score = None if evaluation is None else sign * evaluation[f"valid_{job.metric}"]
-        checkpoints.save(step, state, meta, valid_loss=score)
-        kept = {*checkpoints.all_steps(), step}
-        for gone in [s for s in evaluated if s not in kept]:
-            del evaluated[gone]  # its checkpoint is gone: it can no longer be the best
-        if job.hub.due(step, every):
-            params = fetch(state.params)  # every process takes part when the parameters are split over hosts
-            if job.publisher is not None:
-                write = functools.partial(write_model, job, fold_dir, params, step=step)
-                where = job.hub_folder.format(fold=fold)
-                hub.stage(job.publisher, fold_dir, f"step-{step}", write, f"fold {fold}, step {step}", where)
-
-    log.message(
-        f"fold {fold}: {len(train_rows)} training rows, {len(valid_rows)} validation rows; {steps} steps of "
-        f"{size} ({per_epoch} per epoch), evaluating every {every}; texts padded to "
-        + (", ".join(map(str, job.rungs)) if job.rungs else f"multiples of {job.bucket}")
-        + " tokens"
-        + (f"; resuming from step {start_step}" if start_step else "")
+def _plan(job: Job, fold: int, fold_dir: Path, train_rows: np.ndarray, valid_rows: np.ndarray, started: float,
+          elapsed: float) -> Fold:  # fmt: skip
+    """The fold's validation rows and its steps: train.epochs over the training rows, evaluated
+    train.evals_per_epoch times an epoch."""
+    per_epoch = math.ceil(len(train_rows) / job.train.batch_size)
+    return Fold(
+        number=fold,
+        dir=fold_dir,
+        train_rows=train_rows,
+        valid_rows=valid_rows,
+        lengths=np.array([len(job.encs[i].ids) for i in train_rows]),
+        valid_encs=[(job.valid_encs or job.encs)[i] for i in valid_rows],
+        valid_targets=(job.valid_table or job.table).targets[valid_rows],
+        per_epoch=per_epoch,
+        steps=max(1, round(job.train.epochs * per_epoch)),
+        every=max(1, per_epoch // job.train.evals_per_epoch),
+        started=started,
+        elapsed=elapsed,
     )
-    warmup = warmup_fraction(job.optim, steps)
-    compile_ahead(job, state, key, lengths, np.array([len(e.ids) for e in valid_encs]), start_step, steps)
+
+
+def _train(job: Job, fold: Fold, state: TrainState, checkpoints: Checkpoints, start_step: int
+           ) -> tuple[TrainState, int, np.ndarray]:  # fmt: skip
+    """Run the fold's steps from `start_step`, evaluating and checkpointing as they go; returns the state of the
+    best checkpoint, its step and its validation outputs."""
+    key = jax.random.key(job.train.seed + fold.number)
+    log = MetricsLog(fold.dir, job.log, fold.steps, start_step, job.config)
+    evaluations = Evaluations(job, fold)
+    log.message(_describe(job, fold, start_step))
+    warmup = warmup_fraction(job.optim, fold.steps)
+    valid_lengths = np.array([len(e.ids) for e in fold.valid_encs])
+    compile_ahead(job, state, key, fold.lengths, valid_lengths, start_step, fold.steps)
+    batches = _training_batches(job, fold, start_step)
+    save = functools.partial(_save, job, fold, checkpoints, evaluations)
     try:
         state, _, _ = loop.run(
             state,
             lambda s, b, lr: job.step_jit(s, b, jnp.float32(lr), key),
-            next_batch=next_batch,
+            next_batch=lambda _progress: next(batches),
             lr_at=lambda p: learning_rate(job.optim, p, warmup),
-            budget=loop.Budget(max_steps=steps),
+            budget=loop.Budget(max_steps=fold.steps),
             log=lambda step, values: log.record(
-                step, {"epoch": step / per_epoch, **values}, ("loss", "lr", f"valid_{job.metric}")
+                step, {"epoch": step / fold.per_epoch, **values}, ("loss", "lr", f"valid_{job.metric}")
             ),
             log_every=job.log.every,
             start_step=start_step,
             # Counted back from the last step, so that the last evaluation is of the final model, with none just
             # before it (a few steps earlier) to pay for.
-            evaluate=loop.Every(every, evaluate, offset=steps % every),
-            checkpoint=loop.Every(every, save, offset=steps % every),
+            evaluate=loop.Every(fold.every, evaluations.evaluate, offset=fold.steps % fold.every),
+            checkpoint=loop.Every(fold.every, save, offset=fold.steps % fold.every),
             preemptible=True,
         )
         checkpoints.wait()
@@ -262,33 +255,108 @@ def train_fold(job: Job, fold: int, train_rows: np.ndarray, valid_rows: np.ndarr
         if best != int(state.step):
             state, _ = checkpoints.restore(best, state)
     except loop.NonFiniteLoss as e:
-        raise loop.non_finite_error(e, before=f"fold {fold}: ") from None
+        raise loop.non_finite_error(e, before=f"fold {fold.number}: ") from None
     finally:
         log.close()
         checkpoints.close()
-    outputs = evaluated[best] if best in evaluated else outputs_of(state.params)  # else: evaluated before a resume
-    found = scores(job, outputs, valid_targets)
+    return state, best, evaluations.of_step(best, state)
+
+
+def _describe(job: Job, fold: Fold, start_step: int) -> str:
+    """The line the fold's log starts with."""
+    return (
+        f"fold {fold.number}: {len(fold.train_rows)} training rows, {len(fold.valid_rows)} validation rows; "
+        f"{fold.steps} steps of {job.train.batch_size} ({fold.per_epoch} per epoch), evaluating every "
+        f"{fold.every}; texts padded to "
+        + (", ".join(map(str, job.rungs)) if job.rungs else f"multiples of {job.bucket}")
+        + " tokens"
+        + (f"; resuming from step {start_step}" if start_step else "")
+    )
+
+
+def _training_batches(job: Job, fold: Fold, first_step: int) -> Iterator[dict[str, jax.Array]]:
+    """The fold's training batches from step `first_step` on, epoch after epoch, each padded to its length."""
+    size, seed = job.train.batch_size, job.train.seed
+    epoch, skip = divmod(first_step, fold.per_epoch)
+    while True:
+        for local in epoch_batches(fold.lengths, size, job.bucket, seed, epoch, job.pool)[skip:]:
+            length = padded_length(int(fold.lengths[local].max()), job.limit, job.bucket, job.rungs)
+            batch = _batch(job, fold.train_rows[local], length)
+            yield {k: global_array(v, job.mesh) for k, v in batch.items()}
+        epoch, skip = epoch + 1, 0
+
+
+def _valid_outputs(job: Job, fold: Fold, params: Any) -> np.ndarray:
+    """The model's outputs on the fold's validation rows."""
+    forward = lambda b: job.forward_jit(params, {k: global_array(b[k], job.mesh) for k in INPUTS})  # noqa: E731
+    pad_id, size = job.pre.tokenizer.pad_id, job.train.eval_batch_size
+    return outputs_by_length(forward, fold.valid_encs, pad_id, size, job.limit, job.bucket, rungs=job.rungs)
+
+
+class Evaluations:
+    """The loop's evaluation, which keeps the validation outputs of each step whose checkpoint is kept: the best
+    step's are the fold's outputs."""
+
+    def __init__(self, job: Job, fold: Fold) -> None:
+        self.job, self.fold = job, fold
+        self.outputs: dict[int, np.ndarray] = {}  # step -> validation outputs
+
+    def evaluate(self, step: int, state: TrainState) -> dict[str, float]:
+        began = time.perf_counter()
+        self.outputs[step] = _valid_outputs(self.job, self.fold, state.params)
+        found = {f"valid_{k}": v for k, v in scores(self.job, self.outputs[step], self.fold.valid_targets).items()}
+        return {**found, "eval_seconds": time.perf_counter() - began}
+
+    def keep(self, steps: set[int]) -> None:
+        """Forget the outputs of the steps whose checkpoints are gone: they can no longer be the best."""
+        for gone in [s for s in self.outputs if s not in steps]:
+            del self.outputs[gone]
+
+    def of_step(self, step: int, state: TrainState) -> np.ndarray:
+        """The outputs of `step`, whose state is `state`: evaluated again when that was before a resume."""
+        return self.outputs[step] if step in self.outputs else _valid_outputs(self.job, self.fold, state.params)
+
+
+def _save(job: Job, fold: Fold, checkpoints: Checkpoints, evaluations: Evaluations, step: int, state: TrainState,
+          evaluation: dict[str, float] | None) -> None:  # fmt: skip
+    """The loop's checkpoint, kept by the evaluation's score, and every hub.every-th one pushed to the Hub."""
+    sign = -1.0 if metrics.HIGHER_IS_BETTER[job.metric] else 1.0  # checkpoints keep the lowest
+    meta = {"elapsed": fold.seconds(), "step": step}
+    score = None if evaluation is None else sign * evaluation[f"valid_{job.metric}"]
+    checkpoints.save(step, state, meta, valid_loss=score)
+    evaluations.keep({*checkpoints.all_steps(), step})
+    if job.hub.due(step, fold.every):
+        params = fetch(state.params)  # every process takes part when the parameters are split over hosts
+        if job.publisher is not None:
+            write = functools.partial(write_model, job, fold.dir, params, step=step)
+            where = job.hub_folder.format(fold=fold.number)
+            hub.stage(job.publisher, fold.dir, f"step-{step}", write, f"fold {fold.number}, step {step}", where)
+
+
+def _finish(job: Job, fold: Fold, state: TrainState, best: int, outputs: np.ndarray) -> dict[str, Any]:
+    """The fold's model folder (and its push), then its result.json; the checkpoints go."""
+    found = scores(job, outputs, fold.valid_targets)
     params = fetch(state.params)  # every process takes part when the parameters are split over hosts
     if jax.process_index() == 0:
-        write_model(job, fold_dir, params, fold_dir / runs.MODEL, int(best))
+        write_model(job, fold.dir, params, fold.dir / runs.MODEL, int(best))
         if job.publisher is not None:
-            message = f"fold {fold}, best model (step {best})"
-            copy = hub.copy_of(fold_dir / runs.MODEL)
-            hub.stage(job.publisher, fold_dir, "final", copy, message, job.hub_folder.format(fold=fold))
+            message = f"fold {fold.number}, best model (step {best})"
+            copy = hub.copy_of(fold.dir / runs.MODEL)
+            hub.stage(job.publisher, fold.dir, "final", copy, message, job.hub_folder.format(fold=fold.number))
     result = {
-        "fold": fold,
+        "fold": fold.number,
         "metric": job.metric,
         "score": found[job.metric],
         "metrics": found,
         "best_step": int(best),
-        "steps": steps,
-        "train_rows": len(train_rows),
-        "valid_rows": len(valid_rows),
-        "seconds": time.perf_counter() - started + elapsed,
-        "rows": [int(i) for i in valid_rows],
+        "steps": fold.steps,
+        "train_rows": len(fold.train_rows),
+        "valid_rows": len(fold.valid_rows),
+        "seconds": fold.seconds(),
+        "rows": [int(i) for i in fold.valid_rows],
         "outputs": outputs.tolist(),
     }
     if jax.process_index() == 0:
-        runs.write_result(job.run_dir, fold, result)
-        shutil.rmtree(fold_dir / runs.CHECKPOINTS, ignore_errors=True)  # the best model is in model/
+        runs.write_result(job.run_dir, fold.number, result)
+        shutil.rmtree(fold.dir / runs.CHECKPOINTS, ignore_errors=True)  # the best model is in model/
     return result

@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 from bertforge.data import tabular
 from bertforge.data.batching import BUCKET, bucket_length, by_length, pad_batch, padded_length
 from bertforge.errors import UserError
+from bertforge.finetuning import FinetuneTask, task_of
 from bertforge.model.heads import MaskedLM, SequenceClassifier
 from bertforge.model.hf import Pretrained
 from bertforge.model.load import load_model, load_models
@@ -204,37 +205,25 @@ def predict_main(cfg: PredictConfig) -> np.ndarray:
     if id_column is not None and id_column not in columns:
         raise UserError(f"{cfg.data}: no column '{id_column}' (columns: {', '.join(columns)})")
     first = models[0]
-    task = settings.get("task") or ("regression" if first.model.num_labels == 1 else "classification")
-    names = [first.id2label.get(j, str(j)) for j in range(first.model.num_labels)]
-    if task == "regression":
-        names = settings.get("targets", names)
+    task = task_of(settings, first.model.num_labels)
+    names = task.column_names([first.id2label.get(j, str(j)) for j in range(first.model.num_labels)], settings)
     keys = [(id_column, [row.get(id_column) for row in rows])] if id_column else []
     tabular.write_csv(cfg.out, *prediction_table(task, names, outputs, keys))
     return outputs
 
 
 def prediction_table(
-    task: str,
+    task: FinetuneTask,
     names: Sequence[str],
     outputs: np.ndarray,
     keys: Sequence[tuple[str, Sequence[Any]]] = (),
     targets: tuple[Sequence[str], Sequence[Sequence[str]]] | None = None,
 ) -> tuple[list[str], list[list[Any]]]:
     """Header and rows of a predictions CSV: the `keys` columns ((name, values), such as ids), then the true values
-    when `targets` gives them ((header, rows): out-of-fold predictions), then the predictions.
-
-    Classification: the predicted class ('label', or 'prediction' next to the target) and a logit per class of
-    `names`. Regression: a value per target of `names` ('prediction' when there is one). Multilabel: a logit per
-    label, named as the predictions of the targets when those stand beside them.
+    when `targets` gives them ((header, rows): out-of-fold predictions), then the `task`'s prediction columns of
+    `outputs` (FinetuneTask.prediction_columns), one per output of `names` or more.
     """
-    values = [[f"{x:.7g}" for x in o] for o in outputs]
-    if task == "classification":
-        predicted = ["label" if targets is None else "prediction", *(f"logit_{n}" for n in names)]
-        values = [[names[int(np.argmax(o))], *v] for o, v in zip(outputs, values, strict=True)]
-    elif task == "multilabel" and targets is None:
-        predicted = [f"logit_{n}" for n in names]
-    else:
-        predicted = ["prediction"] if len(names) == 1 else [f"prediction_{n}" for n in names]
+    predicted, values = task.prediction_columns(names, outputs, beside_truth=targets is not None)
     target_header, target_rows = targets if targets is not None else ((), [() for _ in values])
     header = [*(name for name, _ in keys), *target_header, *predicted]
     columns = [column for _, column in keys]

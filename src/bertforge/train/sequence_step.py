@@ -62,9 +62,6 @@ def bce(outputs: jax.Array, targets: jax.Array) -> jax.Array:
     return jnp.mean(optax.sigmoid_binary_cross_entropy(outputs, targets), axis=-1)
 
 
-DEFAULT_LOSS = {"regression": "mse", "classification": "cross_entropy", "multilabel": "bce"}
-
-
 @dataclasses.dataclass(frozen=True)
 class SequenceStepConfig:
     loss: str
