@@ -1,13 +1,20 @@
 """Shared fixtures. Eight simulated CPU devices, so that sharding is exercised on any machine."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# No compilation cache in the user's folder: a test's compilations stay its own (test_compile_cache.py turns it on).
-os.environ.setdefault("BERTFORGE_COMPILE_CACHE", "off")
+# One compilation cache for the whole session, never the user's: the commands that tests run in subprocesses (a
+# killed run, its resumption and the uninterrupted run it is compared with) compile the same programs, once.
+# It starts empty, so every program compiles at least once per session; test_compile_cache.py sets its own.
+if "BERTFORGE_COMPILE_CACHE" not in os.environ:
+    os.environ["BERTFORGE_COMPILE_CACHE"] = _SESSION_CACHE = tempfile.mkdtemp(prefix="bertforge-test-cache-")
+    atexit.register(shutil.rmtree, _SESSION_CACHE, ignore_errors=True)
 
 import random  # noqa: E402
 from pathlib import Path  # noqa: E402
