@@ -1,6 +1,6 @@
 """The shape of the source tree: no import cycles (imports inside functions count), no module over 400 lines, no
-function over 60, every model family module satisfying the family interface, every stage's config and main in
-tasks/, and docs/architecture.md's layout generated from the modules themselves.
+function over 60, no module named after a standard library module, every model family module satisfying the family
+interface, every stage's config and main in tasks/, and docs/architecture.md's layout written from the modules.
 
 `python tests/test_structure.py` writes the layout into docs/architecture.md again after modules change."""
 
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import re
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -127,6 +128,15 @@ def test_no_function_is_over_60_lines():
     assert not long, f"functions over {MAX_FUNCTION_LINES} lines: {long}"
 
 
+def shadowing(modules: dict[str, Path]) -> list[str]:
+    """Modules named after a standard library module: `import logging` beside one reads as the wrong one."""
+    return [name for name in modules if name.rpartition(".")[2] in sys.stdlib_module_names]
+
+
+def test_no_module_is_named_after_a_standard_library_module():
+    assert shadowing(_modules()) == []
+
+
 def test_every_stage_has_its_config_and_main_in_tasks():
     from bertforge.cli import COMMANDS
 
@@ -146,14 +156,16 @@ def test_every_family_module_satisfies_the_family_interface():
     assert "key_table" in satisfies(ast) and "FAMILIES" in satisfies(ast)  # the check sees a module that is none
 
 
-def test_the_rules_see_a_long_module_a_long_function_and_a_stray_main(tmp_path):
+def test_the_rules_see_a_long_module_a_long_function_a_stray_main_and_a_shadowing_name(tmp_path):
     pkg = tmp_path / "bertforge"
     (pkg / "tasks").mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
     body = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES))  # one line more with the def
     (pkg / "data.py").write_text(f"def main(cfg):\n{body}")
     (pkg / "tasks" / "stage.py").write_text("def main(cfg):\n    return cfg\n" + "\n" * MAX_LINES)
+    (pkg / "tasks" / "logging.py").write_text("")
     modules = _modules(pkg)
+    assert shadowing(modules) == ["bertforge.tasks.logging"]
     assert long_functions(modules) == {"bertforge.data:main": MAX_FUNCTION_LINES + 1}
     assert long_modules(modules) == {"bertforge.tasks.stage": MAX_LINES + 2}
     assert stray_mains(modules) == ["bertforge.data"]
