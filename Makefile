@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 DEMO_OUT ?= demo-output
 
-.PHONY: demo test faults lint format install dev clean
+.PHONY: demo test slow faults lint format install dev clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,10 @@ lint: dev
 
 test: dev lint
 	$(BIN)/python -m pytest -m "not slow" --durations=30
+
+# The checks too long for every run (marked slow): more multi-host faults, the benchmarks' smoke runs, more seeds.
+slow: dev
+	$(BIN)/python -m pytest -m slow --durations=30
 
 # The whole fault suite: 20 seeds per kill, many more hostile inputs; tallies in fault-report.json.
 faults: dev

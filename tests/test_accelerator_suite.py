@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SUITE = Path(__file__).resolve().parent.parent / "benchmarks" / "accelerator_suite.py"
 
 
@@ -21,6 +23,7 @@ def run_suite(tmp_path: Path, *args: str) -> dict:
     return json.loads((out / "accelerator_suite.json").read_text())
 
 
+@pytest.mark.slow  # `make slow`: a benchmark's smoke run, minutes of CPU
 def test_smoke_runs_every_part(tmp_path):
     saved = run_suite(tmp_path, "--smoke")
     rows = saved["rows"]

@@ -77,6 +77,7 @@ def test_two_processes_train_like_one_and_their_checkpoint_continues_in_one(shar
         np.testing.assert_allclose(y, x, atol=1e-5)
 
 
+@pytest.mark.slow  # `make slow`; the fast suite keeps two processes training like one and a killed launch resuming
 def test_two_processes_fine_tune_like_one(model_dir, tmp_path):
     data = write_table(tmp_path / "train.csv", river_rows(128))
     command = ["finetune", "--model", str(model_dir), "--data", str(data), "--folds", "2", "--fold", "0",
@@ -144,6 +145,7 @@ def test_a_killed_process_stops_the_launch_and_the_same_command_resumes(shards, 
     _resume_and_compare(command, common, tmp_path / "killed", resumed_from)
 
 
+@pytest.mark.slow  # `make slow`; the fast suite keeps two processes training like one and a killed launch resuming
 def test_a_time_budget_over_two_processes_ends_both_after_the_same_step(shards, tmp_path):
     cfg = write_config(tmp_path / "config.yaml", train={"max_steps": None, "time_budget_minutes": 0.1})
     done = subprocess.run(
@@ -161,6 +163,7 @@ def test_a_time_budget_over_two_processes_ends_both_after_the_same_step(shards, 
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="finds the launched processes through /proc")
+@pytest.mark.slow  # `make slow`; the fast suite keeps two processes training like one and a killed launch resuming
 def test_a_sigterm_to_one_process_stops_all_after_the_same_step_with_a_checkpoint(shards, tmp_path):
     # A scheduler signals hosts a moment apart: here only process 1 hears it. Had each process stopped on its own
     # signal, process 0 would train on alone and both would wait forever in different collectives.
@@ -177,6 +180,7 @@ def test_a_sigterm_to_one_process_stops_all_after_the_same_step_with_a_checkpoin
     _resume_and_compare(command, common, tmp_path / "stopped", step)
 
 
+@pytest.mark.slow  # `make slow`; the fast suite keeps two processes training like one and a killed launch resuming
 def test_without_the_launcher_a_dead_process_stops_the_others_within_a_minute(shards, tmp_path):
     # As on a cluster: each process started on its own, meeting at a coordinator address.
     cfg = write_config(tmp_path / "config.yaml", train={"max_steps": 5000})

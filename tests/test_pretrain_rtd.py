@@ -213,6 +213,7 @@ def test_the_generator_is_the_configured_share_of_the_discriminator():
 
 
 # ------------------------------------------------------------------------------------------------------ devices
+@pytest.mark.slow  # `make slow`; test_pretrain.py checks 8 devices against 1 for masked LM
 def test_eight_devices_with_fsdp_give_the_run_of_one(shards, tmp_path):
     dropout = {"hidden_dropout": 0.1, "attention_dropout": 0.1}
     one = rtd_config(shards, model=dropout, mesh={"num_devices": 1}, train={"max_steps": 10})
