@@ -268,6 +268,73 @@ def test_fill_mask_on_any_text(text, model_dir, capsys, tally):
     assert code == 0 or "tokens; the model holds 128" in err, err
 
 
+# ------------------------------------------------------------------------------------------------------ tagged data
+def check_tagged(docs: list, path: str) -> None:
+    """What every reader promises of its documents, whatever the file held."""
+    from bertforge.data.tags import tag_problem
+
+    assert docs and len({d.id for d in docs}) == len(docs)
+    for d in docs:
+        if d.words is not None:
+            words = [d.text[a:b] for a, b in d.words]
+            assert " ".join(words) == d.text and all(w and w.split() == [w] for w in words), (path, d)
+            assert d.tags is None or (len(d.tags) == len(words) and not any(map(tag_problem, d.tags))), (path, d)
+        if d.entities is not None:
+            bounds = [(e.start, e.end) for e in d.entities]
+            assert all(0 <= a < b <= len(d.text) for a, b in bounds) and all(e.type.strip() for e in d.entities)
+            assert all(b <= c for (_, b), (c, _) in zip(bounds, bounds[1:], strict=False)), (path, d)
+
+
+def read_tagged_or_named_error(path: Path, labelled: bool) -> None:
+    from bertforge.data.tagged import read_documents
+    from bertforge.errors import UserError
+
+    try:
+        docs = read_documents(str(path), labelled=labelled)
+    except UserError as e:
+        assert str(e).startswith(f"{path}: ") and "\n" not in str(e), str(e)
+        return
+    check_tagged(docs, str(path))
+
+
+@given(data=st.binary(max_size=2000), name=st.sampled_from(["a.conll", "a.jsonl", "a.json"]), labelled=st.booleans())
+@example(data=b"-DOCSTART- -X- O\n\n\nEU\tB-ORG \r\nx\xc2\xa0y O\n", name="a.conll", labelled=True)
+@example(data=b'[{"tokens": ["a b"], "tags": ["O"]}]', name="a.json", labelled=True)
+@example(data=b'{"text": "ab", "entities": [{"span": [1, 2], "type": " "}]}', name="a.jsonl", labelled=False)
+def test_any_bytes_as_token_classification_data(data, name, labelled, tally):
+    tally("hostile")
+    tmp = scratch()
+    (tmp / name).write_bytes(data)
+    read_tagged_or_named_error(tmp / name, labelled)
+    shutil.rmtree(tmp)
+
+
+json_value = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(-3, 30), nasty_text, st.sampled_from(["O", "B-PER", "I-", "B"])),
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(nasty_text, inner, max_size=3)),
+    max_leaves=10,
+)
+tagged_key = st.sampled_from(["tokens", "tags", "ner_tags", "text", "entities", "id", "curid"])
+entity = st.fixed_dictionaries(
+    {}, optional=dict.fromkeys(["span", "start", "end", "type", "label", "name"], json_value)
+)
+tagged_record = st.dictionaries(tagged_key, json_value | st.lists(entity, max_size=3), max_size=5)
+
+
+@given(records=st.lists(tagged_record | json_value, max_size=6), jsonl=st.booleans(), labelled=st.booleans())
+@example(records=[{"tokens": ["x"], "tags": ["S-A"]}, {"tokens": ["y"], "ner_tags": [True]}], jsonl=True, labelled=True)
+@example(records=[{"text": "abc", "entities": [{"start": 0, "end": 2, "label": "A"}, {"span": [1, 3]}]}],
+         jsonl=False, labelled=True)  # fmt: skip
+def test_json_records_of_any_shape_as_token_classification_data(records, jsonl, labelled, tally):
+    tally("hostile")
+    tmp = scratch()
+    path = tmp / ("a.jsonl" if jsonl else "a.json")
+    text = "".join(json.dumps(r) + "\n" for r in records) if jsonl else json.dumps(records)
+    path.write_text(text, encoding="utf-8")
+    read_tagged_or_named_error(path, labelled)
+    shutil.rmtree(tmp)
+
+
 # ------------------------------------------------------------------------------------------------------ sizes
 @pytest.mark.slow
 def test_a_50_mb_line_and_a_million_tiny_documents(wordpiece_dir, tmp_path, capsys, tally):
