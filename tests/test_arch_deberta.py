@@ -23,7 +23,7 @@ from transformers import (
 from transformers.models.deberta_v2.modeling_deberta_v2 import make_log_bucket_position
 
 from bertforge.errors import UserError
-from bertforge.model import deberta
+from bertforge.model import relative
 from bertforge.model.architectures import build, config_from_hf, key_table
 from bertforge.model.hf import load_pretrained, save_pretrained
 
@@ -142,18 +142,18 @@ def test_log_buckets_match_transformers():
     rel = np.arange(-3000, 3001)
     for buckets, reach in ((256, 512), (8, 64), (8, 24), (32, 1024)):
         want = make_log_bucket_position(torch.tensor(rel), buckets, reach).long().numpy()
-        np.testing.assert_array_equal(deberta.log_buckets(rel, buckets, reach), want, err_msg=f"{buckets}, {reach}")
+        np.testing.assert_array_equal(relative.log_buckets(rel, buckets, reach), want, err_msg=f"{buckets}, {reach}")
 
 
 @pytest.mark.parametrize("t", [7, 90])  # fewer distances than table rows; distances past max_position 64
 def test_shifted_relative_scores_equal_the_definition(t):
     n, h, span = 2, 4, 8
-    plan = deberta.relative_plan(t, span, span, 64)
+    plan = relative.relative_plan(t, span, span, 64)
     rng = np.random.default_rng(t)
     rows = plan.hi - plan.lo
     q, k = (rng.standard_normal((2, t, n, h), np.float32) for _ in range(2))
     pos_q, pos_k = (rng.standard_normal((rows, n, h), np.float32) for _ in range(2))
-    a = jax.jit(lambda *x: deberta.relative_scores(*x, plan))(q, k, pos_q, pos_k)
+    a = jax.jit(lambda *x: relative.relative_scores(*x, plan))(q, k, pos_q, pos_k)
     # The definition: c2p[i, j] = q_i . pos_k[row(i - j)], p2c[i, j] = k_j . pos_q[row(i - j)].
     i = np.arange(t)
     row = plan.by_distance[i[:, None] - i[None, :] + t - 1]  # (T, T)

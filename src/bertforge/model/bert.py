@@ -23,7 +23,7 @@ from bertforge.model.attention import attend, segment_positions
 from bertforge.model.config import ACTIVATIONS, ModelConfig, read_fields, refuse, write_fields
 from bertforge.model.dropout import Dropout
 from bertforge.model.family import Family, lookup
-from bertforge.model.heads import MlmHead, SequenceHead
+from bertforge.model.heads import MlmHead, SequenceHead, TokenHead, classifier_rate
 from bertforge.model.keys import Row, layernorm_rows, linear_rows, table_row
 from bertforge.model.layers import (
     EncoderBase,
@@ -208,6 +208,11 @@ def sequence_head(cfg: ModelConfig, num_labels: int, rngs: nnx.Rngs) -> Sequence
     return SequenceHead(cfg, num_labels, rngs=rngs, dropout_first=cfg.family == "roberta")
 
 
+def token_head(cfg: ModelConfig, num_labels: int, rngs: nnx.Rngs) -> TokenHead:
+    # Bert/RobertaForTokenClassification (XLM-R's too): dropout (classifier_dropout, else hidden), classifier.
+    return TokenHead(cfg, num_labels, rngs=rngs, rate=classifier_rate(cfg))
+
+
 # ------------------------------------------------------------------------------------------- Hugging Face names
 def encoder_rows(cfg: ModelConfig, p: str) -> list[Row]:
     """The embeddings' and layers' rows under the prefix `p` of *For* models ("bert", "roberta", "electra": the
@@ -234,7 +239,7 @@ def encoder_rows(cfg: ModelConfig, p: str) -> list[Row]:
 
 
 def key_table(cfg: ModelConfig, head: str) -> list[Row]:
-    """Every parameter of a bertforge model of `head` ('mlm' or 'sequence') with its Hugging Face name."""
+    """Every parameter of a bertforge model of `head` ('mlm', 'sequence' or 'token') with its Hugging Face name."""
     prefix = lookup(cfg.family).hf_prefix
     if cfg.embed_dim != cfg.hidden_size:
         raise UserError(
@@ -252,6 +257,8 @@ def key_table(cfg: ModelConfig, head: str) -> list[Row]:
         rows += linear_rows("lm_head.dense", ("mlm", "dense"), True)
         rows += layernorm_rows("lm_head.layer_norm", ("mlm", "norm"), True)
         rows += [Row("lm_head.bias", ("mlm", "bias"), False, True)]
+    elif head == "token":  # *ForTokenClassification: no pooler
+        rows += linear_rows("classifier", ("head", "out"), True)
     elif cfg.family == "bert":
         rows += linear_rows("bert.pooler.dense", ("head", "dense"), True)
         rows += linear_rows("classifier", ("head", "out"), True)
@@ -301,9 +308,8 @@ def hf_fields(data: dict[str, Any], family: str, source: str) -> dict[str, Any]:
 def hf_config(cfg: ModelConfig, head: str) -> dict[str, Any]:
     """config.json of a BERT or RoBERTa model of `head`, apart from the labels."""
     family = lookup(cfg.family)
-    arch = f"{family.hf_prefix}ForMaskedLM" if head == "mlm" else f"{family.hf_prefix}ForSequenceClassification"
     return {
-        "architectures": [arch],
+        "architectures": [family.architecture(head)],
         "model_type": cfg.family,
         **write_fields(cfg, HF_FIELDS),
         "position_embedding_type": "absolute",

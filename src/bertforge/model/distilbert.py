@@ -15,7 +15,7 @@ from bertforge.errors import UserError
 from bertforge.model import bert
 from bertforge.model.config import ModelConfig, read_fields, refuse, write_fields
 from bertforge.model.family import Family
-from bertforge.model.heads import MlmHead, SequenceHead, classifier_rate
+from bertforge.model.heads import MlmHead, SequenceHead, TokenHead, classifier_rate
 from bertforge.model.keys import Row, layernorm_rows, linear_rows, table_row
 
 PREFIX = "distilbert"  # of the encoder's parameters in *For* models
@@ -64,9 +64,14 @@ def sequence_head(cfg: ModelConfig, num_labels: int, rngs: nnx.Rngs) -> Sequence
     return SequenceHead(cfg, num_labels, rngs=rngs)
 
 
+def token_head(cfg: ModelConfig, num_labels: int, rngs: nnx.Rngs) -> TokenHead:
+    # DistilBertForTokenClassification drops with config.dropout (the hidden one), not seq_classif_dropout.
+    return TokenHead(cfg, num_labels, rngs=rngs, rate=cfg.hidden_dropout)
+
+
 # ------------------------------------------------------------------------------------------- Hugging Face names
 def key_table(cfg: ModelConfig, head: str) -> list[Row]:
-    """Every parameter of a bertforge model of `head` ('mlm' or 'sequence') with its Hugging Face name."""
+    """Every parameter of a bertforge model of `head` ('mlm', 'sequence' or 'token') with its Hugging Face name."""
     emb = ("encoder", "embeddings")
     rows = [
         table_row(f"{PREFIX}.embeddings.word_embeddings", (*emb, "word")),
@@ -87,6 +92,8 @@ def key_table(cfg: ModelConfig, head: str) -> list[Row]:
         rows += linear_rows("vocab_transform", ("mlm", "dense"), True)
         rows += layernorm_rows("vocab_layer_norm", ("mlm", "norm"), True)
         rows += [Row("vocab_projector.bias", ("mlm", "bias"), False, True)]
+    elif head == "token":
+        rows += linear_rows("classifier", ("head", "out"), True)
     else:
         rows += linear_rows("pre_classifier", ("head", "dense"), True)
         rows += linear_rows("classifier", ("head", "out"), True)
@@ -164,10 +171,9 @@ def _names_mlm(data: dict[str, Any]) -> bool:
 def hf_config(cfg: ModelConfig, head: str) -> dict[str, Any]:
     """config.json of a DistilBERT model of `head`, apart from the labels."""
     check(cfg)
-    arch = "DistilBertForMaskedLM" if head == "mlm" else "DistilBertForSequenceClassification"
     rate = classifier_rate(cfg)
     return {
-        "architectures": [arch],
+        "architectures": [DISTILBERT.architecture(head)],
         "model_type": "distilbert",
         **write_fields(cfg, HF_FIELDS),
         "seq_classif_dropout": rate,  # transformers needs a number here

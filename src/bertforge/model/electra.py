@@ -17,7 +17,7 @@ from bertforge.errors import UserError
 from bertforge.model import bert
 from bertforge.model.config import ModelConfig, read_fields, refuse, write_fields
 from bertforge.model.family import Family
-from bertforge.model.heads import MlmHead, SequenceHead, classifier_rate
+from bertforge.model.heads import MlmHead, SequenceHead, TokenHead, classifier_rate
 from bertforge.model.keys import Row, layernorm_rows, linear_rows
 
 PREFIX = "electra"  # of the encoder's parameters in *For* models
@@ -50,9 +50,14 @@ def sequence_head(cfg: ModelConfig, num_labels: int, rngs: nnx.Rngs) -> Sequence
     return SequenceHead(cfg, num_labels, rngs=rngs, dropout_first=True)
 
 
+def token_head(cfg: ModelConfig, num_labels: int, rngs: nnx.Rngs) -> TokenHead:
+    # ElectraForTokenClassification: dropout (classifier_dropout, else hidden_dropout_prob), classifier.
+    return TokenHead(cfg, num_labels, rngs=rngs, rate=classifier_rate(cfg))
+
+
 # ------------------------------------------------------------------------------------------- Hugging Face names
 def key_table(cfg: ModelConfig, head: str) -> list[Row]:
-    """Every parameter of a bertforge model of `head` ('mlm' or 'sequence') with its Hugging Face name."""
+    """Every parameter of a bertforge model of `head` ('mlm', 'sequence' or 'token') with its Hugging Face name."""
     rows = bert.encoder_rows(cfg, PREFIX)
     if cfg.embed_dim != cfg.hidden_size:
         rows += linear_rows(f"{PREFIX}.embeddings_project", ("encoder", "embeddings", "project"))
@@ -60,6 +65,8 @@ def key_table(cfg: ModelConfig, head: str) -> list[Row]:
         rows += linear_rows("generator_predictions.dense", ("mlm", "dense"), True)
         rows += layernorm_rows("generator_predictions.LayerNorm", ("mlm", "norm"), True)
         rows += [Row("generator_lm_head.bias", ("mlm", "bias"), False, True)]
+    elif head == "token":
+        rows += linear_rows("classifier", ("head", "out"), True)
     else:
         rows += linear_rows("classifier.dense", ("head", "dense"), True)
         rows += linear_rows("classifier.out_proj", ("head", "out"), True)
@@ -147,10 +154,9 @@ def _names_mlm(data: dict[str, Any]) -> bool:
 
 def hf_config(cfg: ModelConfig, head: str) -> dict[str, Any]:
     """config.json of an ELECTRA model of `head`, apart from the labels."""
-    arch = "ElectraForMaskedLM" if head == "mlm" else "ElectraForSequenceClassification"
     rate = classifier_rate(cfg)
     return {
-        "architectures": [arch],
+        "architectures": [ELECTRA.architecture(head)],
         "model_type": "electra",
         **write_fields(cfg, HF_FIELDS),
         "embedding_size": cfg.embed_dim,

@@ -13,6 +13,9 @@ import types
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+# The suffix of each head's transformers class after a family's hf_prefix.
+HEAD_CLASSES = {"mlm": "ForMaskedLM", "sequence": "ForSequenceClassification", "token": "ForTokenClassification"}
+
 
 @dataclasses.dataclass(frozen=True)
 class Family:
@@ -32,6 +35,10 @@ class Family:
     max_seq_len: Callable[[Any], int] | None = None
     # The closed-form parameter count of an encoder and MLM head, where the family has one.
     num_params: Callable[[Any], int] | None = None
+
+    def architecture(self, head: str) -> str:
+        """Its transformers class of a model of `head` ('mlm', 'sequence' or 'token'): BertForMaskedLM, ..."""
+        return self.hf_prefix + HEAD_CLASSES[head]
 
     def apply(self, fields: dict[str, Any]) -> dict[str, Any]:
         """A BERT config's fields (e.g. a preset's) with this family's conventions, for the same sequence length."""

@@ -1,5 +1,5 @@
 """Task heads on top of an encoder's hidden states (the masked-LM head, the sequence head with its poolings, the
-replaced-token detection head), and the models every family builds from its encoder and these heads.
+token head, the replaced-token detection head), and the models every family builds from its encoder and these heads.
 
 A family's encoder (bert.py, deberta.py, ...) is called as encoder(input_ids, attention_mask,
 token_type_ids, first_only) -> (B, T, D) and gives its word embedding table as encoder.word_embedding() (V, E).
@@ -99,6 +99,29 @@ class SequenceHead(nnx.Module):
         return self.out(self.dropout(x)).astype(jnp.float32)
 
 
+class TokenHead(nnx.Module):
+    """Each token's hidden state through dropout and a Linear(D, L): transformers' *ForTokenClassification heads.
+
+    `transform` puts ModernBERT's prediction head first (dense + cfg.classifier_act + LayerNorm, its `head`), and
+    `rate` is the dropout's: the families' token classes do not all take classifier_dropout (see each token_head).
+    """
+
+    def __init__(self, cfg: ModelConfig, num_labels: int, *, rngs: nnx.Rngs, rate: float, transform: bool = False):
+        self.cfg = cfg
+        d = cfg.hidden_size
+        self.dense = dense(cfg, d, d, ("embed", None), rngs, bias=cfg.classifier_bias) if transform else None
+        self.norm = layer_norm(cfg, rngs, bias=cfg.norm_bias) if transform else None
+        self.dropout = Dropout(rate, rngs=rngs)
+        self.out = dense(cfg, d, num_labels, (None, None), rngs)
+
+    def __call__(self, hidden: jax.Array) -> jax.Array:
+        """hidden (B, T, D) -> float32 (B, T, L)."""
+        x = hidden
+        if self.dense is not None:
+            x = self.norm(ACTIVATIONS[self.cfg.classifier_act](self.dense(x))).astype(hidden.dtype)
+        return self.out(self.dropout(x)).astype(jnp.float32)
+
+
 class RtdHead(nnx.Module):
     """ELECTRA's discriminator head: dense (D -> D), the model's activation, dense (D -> 1): one logit per token,
     positive for a token the generator replaced."""
@@ -156,6 +179,26 @@ class SequenceClassifier(nnx.Module):
         return self.head(self.encoder(input_ids, attention_mask, token_type_ids, first_only), attention_mask)
 
 
+class TokenClassifier(nnx.Module):
+    """An encoder with a token head: one row of logits per token (tagging, named entities)."""
+
+    task = "token"
+
+    def __init__(self, cfg: ModelConfig, num_labels: int, encoder: nnx.Module, head: TokenHead):
+        if num_labels < 1:
+            raise ValueError(f"num_labels must be positive, got {num_labels}")
+        self.config = cfg
+        self.num_labels = num_labels
+        self.encoder = encoder
+        self.head = head
+
+    def __call__(self, input_ids: jax.Array, attention_mask: Ids = None, token_type_ids: Ids = None) -> jax.Array:
+        """(B, T) -> (B, T, L) float32 logits; those at padding positions mean nothing."""
+        if attention_mask is None:
+            attention_mask = jnp.ones_like(input_ids)
+        return self.head(self.encoder(input_ids, attention_mask, token_type_ids))
+
+
 class Discriminator(nnx.Module):
     """An encoder with the replaced-token detection head: ELECTRA's discriminator (ElectraForPreTraining)."""
 
@@ -171,4 +214,4 @@ class Discriminator(nnx.Module):
         return self.head(self.encoder(input_ids, attention_mask, token_type_ids))
 
 
-Model = MaskedLM | SequenceClassifier | Discriminator
+Model = MaskedLM | SequenceClassifier | TokenClassifier | Discriminator

@@ -25,12 +25,22 @@ from safetensors.numpy import save as safetensors_bytes
 
 from bertforge.errors import UserError
 from bertforge.fileio import read_json_object, temp_folder_beside, write_atomic
-from bertforge.model.architectures import HEADS, build, config_from_hf, config_to_hf, key_table, normalise_keys
+from bertforge.model.architectures import (
+    HEADS,
+    LABELLED,
+    build,
+    config_from_hf,
+    config_to_hf,
+    key_table,
+    normalise_keys,
+)
 from bertforge.model.config import ModelConfig
 from bertforge.model.heads import Model
 from bertforge.tokenizer.load import Tokenizer
 
 PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
+HEAD_KINDS = {"mlm": "masked-LM", "sequence": "sequence-classification", "token": "token-classification",
+              "rtd": "replaced-token detection"}  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------------ weights
@@ -118,6 +128,21 @@ def _absent_head_weights(cfg: ModelConfig, tensors: dict[str, np.ndarray], head:
         more = f" and {len(encoder) - 1} more" if len(encoder) > 1 else ""
         raise UserError(f"{source}: missing weight {encoder[0]}{more} (does config.json match the weights?)")
     return [row.hf for row in absent if row.head]
+
+
+def without_other_head(
+    cfg: ModelConfig, tensors: dict[str, np.ndarray], head: str, stored: str | None, source: str
+) -> dict[str, np.ndarray]:
+    """`tensors` less those named as `head`'s head parameters when the checkpoint holds the other labelled head (a
+    sequence classifier read as a token one, or the reverse): its classifier means something else, so `head` starts
+    fresh, as it does over a masked-LM checkpoint."""
+    if stored == head or stored not in LABELLED or head not in LABELLED:
+        return tensors
+    try:
+        fresh = {row.hf for row in key_table(cfg, head) if row.head}
+    except UserError as e:
+        raise UserError(f"{source}: {e}") from None
+    return {k: v for k, v in normalise_keys(tensors, cfg).items() if k not in fresh}
 
 
 def _match_weights(cfg: ModelConfig, flat: dict, tensors: dict[str, np.ndarray], head: str, source: str) -> list[str]:
@@ -235,10 +260,10 @@ def load_pretrained(
     id2label = info.id2label
     if num_labels is not None and num_labels != len(id2label):
         id2label = {i: f"LABEL_{i}" for i in range(num_labels)}
-    tensors = read_weights(files)
+    tensors = without_other_head(cfg, read_weights(files), head, info.head, str(folder))
     model, missing = build_with_weights(cfg, tensors, head, len(id2label), seed, str(folder))
     if missing and require_head:
-        kind = "masked-LM" if head == "mlm" else "sequence-classification"
+        kind = HEAD_KINDS[head]
         raise UserError(f"{folder}: has no {kind} head weights (missing {missing[0]}); is it the right model?")
     return Pretrained(model, tokenizer, head, id2label, info.problem_type, folder, missing)
 
@@ -257,7 +282,8 @@ def save_pretrained(
     id2label: dict[int, str] | None = None,
     extra_files: dict[str, str | bytes] | None = None,
 ) -> Path:
-    """Write a folder that transformers' AutoModelForMaskedLM / AutoModelForSequenceClassification load.
+    """Write a folder that transformers' AutoModelForMaskedLM, AutoModelForSequenceClassification or
+    AutoModelForTokenClassification (as the model's head) loads.
 
     Files are written into a temporary folder and moved into place, so a crash never leaves a half-written export.
     Over an existing folder, its config.json goes first and the new one comes last: a folder caught in between has
@@ -265,7 +291,7 @@ def save_pretrained(
     """
     out = Path(out)
     head = model.task
-    if head == "sequence":
+    if head in LABELLED:
         id2label = id2label or {i: f"LABEL_{i}" for i in range(model.num_labels)}
         if len(id2label) != model.num_labels:
             raise ValueError(f"id2label has {len(id2label)} labels, the model {model.num_labels}")

@@ -84,8 +84,8 @@ def load_run(run: str | Path, which: str = "latest", part: str = "") -> Pretrain
 
 
 def load_model(name: str | os.PathLike, head: str | None = None, **options: Any) -> Pretrained:
-    """The model behind `name`: a bertforge pretraining run (its newest whole checkpoint; under a sequence head its
-    encoder with a fresh head), or a Hugging Face folder or hub id. `options` are model.hf.load_pretrained's
+    """The model behind `name`: a bertforge pretraining run (its newest whole checkpoint; under a sequence or token
+    head its encoder with a fresh head), or a Hugging Face folder or hub id. `options` are model.hf.load_pretrained's
     keyword arguments (require_head, num_labels, need_tokenizer, dtype, seed, overrides)."""
     if not is_run(Path(name)):
         return load_pretrained(name, head=head, **options)
@@ -110,14 +110,15 @@ def _from_run(
             nnx.update(model, nnx.state(pre.model, nnx.Param))
             pre = dataclasses.replace(pre, model=model)
         return pre
+    task = "token" if head == "token" else "sequence"
     if require_head:
-        raise UserError(f"{pre.folder}: a pretraining run has a masked-LM head, not a sequence head")
+        raise UserError(f"{pre.folder}: a pretraining run has a masked-LM head, not a {task} head")
     n = num_labels or 1
-    model = build(cfg, "sequence", num_labels=n, seed=seed)
+    model = build(cfg, task, num_labels=n, seed=seed)
     nnx.update(model.encoder, nnx.state(pre.model.encoder, nnx.Param))
-    missing = [row.hf for row in key_table(cfg, "sequence") if row.head]
+    missing = [row.hf for row in key_table(cfg, task) if row.head]
     id2label = {i: f"LABEL_{i}" for i in range(n)}
-    return Pretrained(model, pre.tokenizer, "sequence", id2label, None, pre.folder, missing)
+    return Pretrained(model, pre.tokenizer, task, id2label, None, pre.folder, missing)
 
 
 def _is_rtd(run: Path) -> bool:

@@ -19,7 +19,7 @@ from bertforge.model.attention import attend, segment_positions
 from bertforge.model.config import ACTIVATIONS, ModelConfig, refuse, write_fields
 from bertforge.model.dropout import Dropout
 from bertforge.model.family import Family
-from bertforge.model.heads import MlmHead, SequenceHead, classifier_rate
+from bertforge.model.heads import MlmHead, SequenceHead, TokenHead, classifier_rate
 from bertforge.model.keys import Row, layernorm_rows, linear_rows, table_row
 from bertforge.model.layers import EncoderBase, KeyedLayer, dense, embed, input_mask, layer_norm, rematerialized
 
@@ -173,10 +173,15 @@ def sequence_head(cfg: ModelConfig, num_labels: int, rngs: nnx.Rngs) -> Sequence
     return SequenceHead(cfg, num_labels, rngs=rngs, norm=True)
 
 
+def token_head(cfg: ModelConfig, num_labels: int, rngs: nnx.Rngs) -> TokenHead:
+    # ModernBertForTokenClassification: `head` (dense, classifier_activation, norm), `drop`, `classifier`.
+    return TokenHead(cfg, num_labels, rngs=rngs, rate=classifier_rate(cfg), transform=True)
+
+
 # ------------------------------------------------------------------------------------------- Hugging Face names
 def key_table(cfg: ModelConfig, head: str) -> list[Row]:
-    """Every parameter of a bertforge ModernBERT of `head` ('mlm' or 'sequence') with its Hugging Face name. The
-    MLM decoder's weight is the word embedding (tied): only its bias is a row."""
+    """Every parameter of a bertforge ModernBERT of `head` ('mlm', 'sequence' or 'token') with its Hugging Face
+    name. The MLM decoder's weight is the word embedding (tied): only its bias is a row."""
     enc, nb = ("encoder",), cfg.norm_bias
     rows = [
         table_row("model.embeddings.tok_embeddings", (*enc, "embeddings", "word")),
@@ -196,7 +201,7 @@ def key_table(cfg: ModelConfig, head: str) -> list[Row]:
         rows += linear_rows("head.dense", ("mlm", "dense"), True, bias=cfg.classifier_bias)
         rows += layernorm_rows("head.norm", ("mlm", "norm"), True, bias=nb)
         rows += [Row("decoder.bias", ("mlm", "bias"), False, True)] if cfg.decoder_bias else []
-    else:
+    else:  # the sequence and token heads name their parts alike
         rows += linear_rows("head.dense", ("head", "dense"), True, bias=cfg.classifier_bias)
         rows += layernorm_rows("head.norm", ("head", "norm"), True, bias=nb)
         rows += linear_rows("classifier", ("head", "out"), True)
@@ -351,11 +356,10 @@ def hf_fields(data: dict[str, Any], family: str, source: str) -> dict[str, Any]:
 def hf_config(cfg: ModelConfig, head: str) -> dict[str, Any]:
     """config.json of a ModernBERT model of `head`, apart from the labels. The layer pattern and RoPE bases are
     written in both transformers' current form (layer_types, rope_parameters) and the original one."""
-    arch = "ModernBertForMaskedLM" if head == "mlm" else "ModernBertForSequenceClassification"
     fields = write_fields(cfg, HF_FIELDS)
     dropout = classifier_rate(cfg)
     return {
-        "architectures": [arch],
+        "architectures": [MODERNBERT.architecture(head)],
         "model_type": "modernbert",
         **fields,
         "embedding_dropout": cfg.hidden_dropout,

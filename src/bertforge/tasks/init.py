@@ -16,7 +16,7 @@ from bertforge.tokenizer.load import Tokenizer
 @dataclasses.dataclass(frozen=True)
 class InitConfig:
     model: ModelConfig = dataclasses.field(default_factory=lambda: preset("mini"))
-    head: Literal["mlm", "sequence"] = "mlm"
+    head: Literal["mlm", "sequence", "token"] = "mlm"
     num_labels: int = 1
     seed: int = 0
 

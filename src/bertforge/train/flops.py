@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from bertforge.model.config import ModelConfig
-from bertforge.model.deberta import relative_reach
+from bertforge.model.relative import relative_reach
 
 # Dense bf16 peak FLOP/s per device (chip for TPUs; TPU v2/v3 count one chip = 2 cores).
 PEAK_FLOPS = {
