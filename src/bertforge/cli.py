@@ -155,6 +155,10 @@ def _demo(cfg: Any, args: argparse.Namespace) -> int:
     return 0
 
 
+# The data section's keys that fine-tuning takes as --key-name flags too.
+_DATA_FLAGS = ("text_column", "text_pair_column", "id_column", "group_column", "error_column", "max_length",
+               "truncation", "quoted_tsv", "tag_scheme", "label_all_tokens", "stride")  # fmt: skip
+
 GROUPS = {"tokenizer": "train a tokenizer"}
 COMMANDS: dict[str, Command] = {
     "tokenizer train": Command(
@@ -205,30 +209,25 @@ COMMANDS: dict[str, Command] = {
         options=options("json"),
     ),
     "predict": Command(
-        "predictions of a sequence-classification model for a table of texts",
+        "predictions of a fine-tuned model: a row per text of a table, or each text's entities",
         "bertforge.tasks.infer:PredictConfig",
         _predict,
+        aliases={"--data-format": "format"},
     ),
     "finetune": Command(
-        "fine-tune a sequence head with k-fold cross-validation; the same command again resumes",
+        "fine-tune a sequence or token head with k-fold cross-validation; the same command again resumes",
         "bertforge.tasks.finetune:FinetuneConfig",
         _finetune,
         "Overrides such as --optim.lr=3e-5 --train.epochs=5 --head.pooling=mean follow the flags.",
         aliases={
             "--data": "data.train",
             "--valid-data": "data.valid",
-            "--text-column": "data.text_column",
-            "--text-pair-column": "data.text_pair_column",
             "--target-column": Alias("data.target_columns", sep=","),
-            "--id-column": "data.id_column",
-            "--group-column": "data.group_column",
-            "--error-column": "data.error_column",
             "--task": "head.task",
             "--folds": "folds.k",
             "--fold": "folds.run",
-            "--max-length": "data.max_length",
-            "--truncation": "data.truncation",
-            "--quoted-tsv": "data.quoted_tsv",
+            "--data-format": "data.format",
+            **{f"--{key.replace('_', '-')}": f"data.{key}" for key in _DATA_FLAGS},
         },
         options=options(
             "config",

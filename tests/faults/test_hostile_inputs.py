@@ -165,6 +165,34 @@ def test_predict_keeps_every_row_and_its_id(texts, bom, classifier, capsys, tall
     shutil.rmtree(tmp)
 
 
+@pytest.fixture(scope="module")
+def tagger(model_dir, tmp_path_factory) -> Path:
+    """A token-classification folder (fresh head) to predict with."""
+    from bertforge.model.hf import load_pretrained, save_pretrained
+
+    pre = load_pretrained(model_dir, head="token", num_labels=3)
+    return save_pretrained(pre.model, tmp_path_factory.mktemp("tok") / "model", pre.tokenizer,
+                           {0: "O", 1: "B-X", 2: "I-X"})  # fmt: skip
+
+
+@settings(max_examples=4)  # each example compiles the programs of its lengths
+@given(texts=st.lists(nasty_text, min_size=1, max_size=4))
+@example(texts=["", " \u2028\x85", "a " * 400])
+def test_token_predict_keeps_every_text_and_slices_its_entities_exactly(texts, tagger, capsys, tally):
+    tally("hostile")
+    tmp = scratch()
+    lines = [json.dumps({"id": f"t{i}", "text": t}) for i, t in enumerate(texts)]
+    (tmp / "in.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    code, err = outcome(["predict", "--model", str(tagger), "--data", str(tmp / "in.jsonl"), "--out",
+                         str(tmp / "out.jsonl"), "--max-length", "16"], capsys)  # fmt: skip
+    assert code == 0, err
+    out = [json.loads(line) for line in (tmp / "out.jsonl").read_text(encoding="utf-8").splitlines()]
+    assert [o["id"] for o in out] == [f"t{i}" for i in range(len(texts))]
+    for o, text in zip(out, texts, strict=True):
+        assert all(text[e["start"] : e["end"]] == e["text"] and e["text"].strip() for e in o["entities"])
+    shutil.rmtree(tmp)
+
+
 @given(data=st.binary(max_size=2000))
 @example(data=b'"unclosed quote,\n' * 3)
 @example(data=b'\xef\xbb\xbftext,target\n"a\nb",1.5\n')

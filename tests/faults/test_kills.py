@@ -206,6 +206,30 @@ def test_finetune_killed_at_a_random_moment(model_dir, finetune_reference, tmp_p
     assert got == {k: finetune_reference[k] for k in got}
 
 
+@pytest.fixture(scope="module")
+def token_reference(model_dir, tmp_path_factory) -> dict:
+    from test_token_classification import tagged_sentences, write_jsonl
+
+    root = tmp_path_factory.mktemp("tokens")
+    data = write_jsonl(root / "train.jsonl", tagged_sentences(64, seed=5))
+    args = [*finetune_args(model_dir, data, root / "run"), "--task", "token-classification", "--max-length", "16"]
+    started = time.perf_counter()
+    run_ok(bertforge(*args))
+    return {"args": args, "seconds": time.perf_counter() - started, **finetune_outputs(root / "run")}
+
+
+@pytest.mark.parametrize("seed", seeds(fast=0))
+def test_token_classification_killed_at_a_random_moment(model_dir, token_reference, tmp_path, tally, seed):
+    tally("kill")
+    run = tmp_path / "run"
+    args = [str(run) if a == token_reference["args"][token_reference["args"].index("--out") + 1] else a
+            for a in token_reference["args"]]  # fmt: skip
+    fraction = rng("tokens", seed).uniform(0.2, 0.6)  # the reference ran cold: the runs here load its programs
+    kill_then_rerun(args, fraction * token_reference["seconds"])
+    got = finetune_outputs(run)
+    assert got == {k: token_reference[k] for k in got}
+
+
 # ------------------------------------------------------------------------------------------------------ preprocess
 def preprocess_args(wordpiece_dir: Path, corpus: Path, out: Path) -> list[str]:
     return ["preprocess", "--tokenizer", str(wordpiece_dir), "--files", str(corpus), "--out", str(out),

@@ -12,7 +12,7 @@ import numpy as np
 from bertforge.data import tabular
 from bertforge.data.batching import POOL
 from bertforge.errors import UserError
-from bertforge.tokenizer.load import TRUNCATIONS, Truncation
+from bertforge.tokenizer.load import TRUNCATIONS, Encoded, Truncation
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,12 +33,23 @@ class TableConfig:
     # similar length. 1: plain random batches, each still padded to the shortest length that holds it.
     pool: int = POOL
     quoted_tsv: bool = False  # .tsv tables written with CSV quoting; by default a TSV has none and '"' is text
+    # Token classification: its files' format (conll, jsonl or json; default: from the file name), the tag scheme
+    # trained (io, bio or bioes; default: the data's own, bio for character spans), whether every sub-token of a
+    # word takes its label in the loss (default: its first), and the tokens a long text's windows overlap by.
+    format: str = ""
+    tag_scheme: str = ""
+    label_all_tokens: bool = False
+    stride: int = 32
 
     def __post_init__(self) -> None:
         if self.truncation not in TRUNCATIONS:
             raise ValueError(f"truncation {self.truncation!r} is not one of {', '.join(TRUNCATIONS)}")
         if not self.target_columns:
             raise ValueError("target_columns is empty")
+        if self.tag_scheme not in ("", "io", "bio", "bioes"):
+            raise ValueError(f"tag_scheme {self.tag_scheme!r} is not one of io, bio, bioes")
+        if self.stride < 0:
+            raise ValueError(f"stride must be at least 0, got {self.stride}")
         if self.max_length < 2 or self.bucket < 0 or self.shapes < 0 or self.pool < 1:
             raise ValueError("max_length must be at least 2, bucket and shapes at least 0, pool at least 1")
 
@@ -53,6 +64,8 @@ class Table:
     weights: np.ndarray  # (N,) float32
     ids: list[str] | None
     groups: list[str] | None
+    encs: list[Encoded] | None = None  # each row's tokens, once a task's rows() has encoded them
+    source: Any = None  # what a task's rows came from, when a row is not a record of the file (a document's window)
 
     def __len__(self) -> int:
         return len(self.texts)

@@ -1,7 +1,8 @@
-"""Fine-tuning tasks: what differs between regression, classification and multi-label fine-tuning, one module each.
+"""Fine-tuning tasks: what differs between regression, classification, multi-label and token classification, one
+module each.
 
-A task module declares, as module-level names, what `FinetuneTask` lists: how its targets are read from the
-labelled table, how folds are stratified, its head and outputs, its losses and metric, and how its predictions are
+A task module declares, as module-level names, what `FinetuneTask` lists: how its data is read and made into the
+model's rows, how folds are stratified, its head and outputs, its losses and metric, and how its predictions are
 written. The fine-tuning driver, `predict`, the model card and the `--task` choices read `TASKS`; adding a task is
 adding a module and its line there.
 """
@@ -14,7 +15,8 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from bertforge.data.labelled import Table, TableConfig
-from bertforge.finetuning import classification, multilabel, regression
+from bertforge.finetuning import classification, multilabel, regression, tokens
+from bertforge.tokenizer.load import Tokenizer
 
 
 @runtime_checkable
@@ -30,37 +32,48 @@ class FinetuneTask(Protocol):
     LOSSES: tuple[str, ...]  # the built-in losses that fit its targets (a registered loss is taken as given)
     DEFAULT_METRIC: str  # the metric that picks the best checkpoint when head.metric is not given
 
-    def read_targets(
-        self, path: str, columns: list[str], rows: list[dict[str, Any]], cfg: TableConfig, known: Sequence[str] | None
-    ) -> tuple[np.ndarray, list[str] | None]:
-        """The targets of a table's rows, each checked, and their labels as written when it has labels. `known`:
-        the training table's output names, given when a validation table is read."""
+    def read(self, path: str, cfg: TableConfig, known: Sequence[str] | None) -> Any:
+        """The training or validation data at `path`, every value checked. `known`: the training data's output
+        names, given when validation data is read."""
         ...
 
-    def output_names(self, table: Table, cfg: TableConfig) -> list[str]:
-        """The name of each of the head's outputs (its id2label), from the training table."""
+    def output_names(self, data: Any, cfg: TableConfig) -> list[str]:
+        """The name of each of the head's outputs (its id2label), from the training data."""
+        ...
+
+    def rows(self, data: Any, tokenizer: Tokenizer, cfg: TableConfig, limit: int) -> Table:
+        """The model's rows of what `read` gave, each encoded in at most `limit` tokens (Table.encs)."""
         ...
 
     def strata(self, table: Table, bins: int) -> np.ndarray | None:
         """The stratum of every row that folds are balanced over (folds.bins for a binned target), or None."""
         ...
 
-    def scores(self, outputs: np.ndarray, targets: np.ndarray) -> dict[str, float]:
-        """Its metrics of (N, L) outputs against the targets."""
+    def scores(self, outputs: np.ndarray, targets: np.ndarray, names: Sequence[str]) -> dict[str, float]:
+        """Its metrics of (N, L) outputs (a token task's (N, T, L)) against the targets; `names`: the outputs'."""
         ...
 
     def column_names(self, labels: list[str], run: dict[str, Any]) -> list[str]:
         """The names `predict` gives the outputs, from the model's labels and the run's run.json ({} for a folder)."""
         ...
 
-    def truth_columns(self, table: Table, cfg: TableConfig, rows: np.ndarray) -> tuple[list[str], list[list[str]]]:
-        """Header and values of the true targets of `rows`, which oof.csv writes beside the predictions."""
+    def out_of_fold(
+        self,
+        table: Table,
+        cfg: TableConfig,
+        names: Sequence[str],
+        rows: np.ndarray,
+        outputs: np.ndarray,
+        keys: Sequence[tuple[str, Sequence[Any]]],
+    ) -> tuple[list[str], list[list[Any]]]:
+        """oof.csv's header and rows, from the `outputs` of the table's `rows` and their `keys` columns."""
         ...
 
     def prediction_columns(
         self, names: Sequence[str], outputs: np.ndarray, beside_truth: bool
     ) -> tuple[list[str], list[list[Any]]]:
-        """Header and values of the prediction columns of (N, L) outputs named `names`; `beside_truth` in oof.csv."""
+        """Header and values of the prediction columns of (N, L) outputs named `names`; `beside_truth` in oof.csv.
+        A token task's rows are units (words or tokens)."""
         ...
 
 
@@ -68,6 +81,7 @@ TASKS: dict[str, FinetuneTask] = {
     regression.NAME: regression,
     classification.NAME: classification,
     multilabel.NAME: multilabel,
+    tokens.NAME: tokens,
 }
 
 

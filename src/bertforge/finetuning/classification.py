@@ -11,6 +11,7 @@ import numpy as np
 from bertforge.data import tabular
 from bertforge.data.labelled import Table, TableConfig, sorted_classes
 from bertforge.errors import UserError
+from bertforge.finetuning import tables
 from bertforge.finetuning.columns import numbers
 from bertforge.train import metrics
 
@@ -54,7 +55,7 @@ def strata(table: Table, bins: int) -> np.ndarray | None:
     return table.targets
 
 
-def scores(outputs: np.ndarray, targets: np.ndarray) -> dict[str, float]:
+def scores(outputs: np.ndarray, targets: np.ndarray, names: Sequence[str]) -> dict[str, float]:
     return metrics.classification(outputs, targets)
 
 
@@ -75,3 +76,13 @@ def prediction_columns(
     header = ["prediction" if beside_truth else "label", *(f"logit_{n}" for n in names)]
     values = numbers(outputs)
     return header, [[names[int(np.argmax(o))], *v] for o, v in zip(outputs, values, strict=True)]
+
+
+read = tables.reader(read_targets)
+rows = tables.rows
+
+
+def out_of_fold(table: Table, cfg: TableConfig, names: Sequence[str], rows: np.ndarray, outputs: np.ndarray,
+                keys: Sequence[tuple[str, Sequence[Any]]]) -> tuple[list[str], list[list[Any]]]:  # fmt: skip
+    """oof.csv's header and rows: the keys, the true targets of `rows`, and the predictions beside them."""
+    return tables.prediction_table(prediction_columns, names, outputs, keys, truth_columns(table, cfg, rows))

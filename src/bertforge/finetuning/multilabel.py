@@ -10,7 +10,7 @@ import numpy as np
 
 from bertforge.data.labelled import Table, TableConfig
 from bertforge.errors import UserError
-from bertforge.finetuning import regression
+from bertforge.finetuning import regression, tables
 from bertforge.finetuning.columns import numbers
 from bertforge.train import metrics
 
@@ -46,7 +46,7 @@ def strata(table: Table, bins: int) -> np.ndarray | None:
     return None
 
 
-def scores(outputs: np.ndarray, targets: np.ndarray) -> dict[str, float]:
+def scores(outputs: np.ndarray, targets: np.ndarray, names: Sequence[str]) -> dict[str, float]:
     return metrics.multilabel(outputs, targets)
 
 
@@ -66,3 +66,13 @@ def prediction_columns(
     if beside_truth:
         return regression.prediction_columns(names, outputs, beside_truth)
     return [f"logit_{n}" for n in names], numbers(outputs)
+
+
+read = tables.reader(read_targets)
+rows = tables.rows
+
+
+def out_of_fold(table: Table, cfg: TableConfig, names: Sequence[str], rows: np.ndarray, outputs: np.ndarray,
+                keys: Sequence[tuple[str, Sequence[Any]]]) -> tuple[list[str], list[list[Any]]]:  # fmt: skip
+    """oof.csv's header and rows: the keys, the true targets of `rows`, and the predictions beside them."""
+    return tables.prediction_table(prediction_columns, names, outputs, keys, truth_columns(table, cfg, rows))

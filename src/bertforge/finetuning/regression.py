@@ -10,6 +10,7 @@ import numpy as np
 from bertforge.data import tabular
 from bertforge.data.folds import bin_targets, sturges_bins
 from bertforge.data.labelled import Table, TableConfig
+from bertforge.finetuning import tables
 from bertforge.finetuning.columns import numbers, prediction_header
 from bertforge.train import metrics
 
@@ -45,7 +46,7 @@ def strata(table: Table, bins: int) -> np.ndarray | None:
     return bin_targets(table.targets[:, 0], bins or sturges_bins(len(table)))
 
 
-def scores(outputs: np.ndarray, targets: np.ndarray) -> dict[str, float]:
+def scores(outputs: np.ndarray, targets: np.ndarray, names: Sequence[str]) -> dict[str, float]:
     return metrics.regression(outputs, targets)
 
 
@@ -64,3 +65,13 @@ def prediction_columns(
 ) -> tuple[list[str], list[list[Any]]]:
     """A value per target."""
     return prediction_header(names), numbers(outputs)
+
+
+read = tables.reader(read_targets)
+rows = tables.rows
+
+
+def out_of_fold(table: Table, cfg: TableConfig, names: Sequence[str], rows: np.ndarray, outputs: np.ndarray,
+                keys: Sequence[tuple[str, Sequence[Any]]]) -> tuple[list[str], list[list[Any]]]:  # fmt: skip
+    """oof.csv's header and rows: the keys, the true targets of `rows`, and the predictions beside them."""
+    return tables.prediction_table(prediction_columns, names, outputs, keys, truth_columns(table, cfg, rows))

@@ -221,6 +221,14 @@ def _read_config(folder: Path) -> dict[str, Any]:
     return read_json_object(path)
 
 
+def fine_tuned_head(name: str | os.PathLike) -> str:
+    """The head a fine-tuned folder (or hub id) predicts with: the one its config.json names when that is a
+    fine-tuning head, else the sequence head."""
+    folder = resolve(name)
+    _, info = config_from_hf(_read_config(folder), str(folder / "config.json"))
+    return info.head if info.head in LABELLED else "sequence"
+
+
 def load_pretrained(
     name: str | os.PathLike,
     head: str | None = None,

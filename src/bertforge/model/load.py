@@ -17,7 +17,7 @@ from bertforge.config import from_dict, read_yaml
 from bertforge.errors import UserError
 from bertforge.model.architectures import build, key_table
 from bertforge.model.config import ModelConfig
-from bertforge.model.hf import Pretrained, load_pretrained
+from bertforge.model.hf import Pretrained, fine_tuned_head, load_pretrained
 from bertforge.model.rtd import RtdConfig, build_pair, discriminator_alone
 from bertforge.runs import CHECKPOINTS, CONFIG, RUN_FILE, TOKENIZER, fold_models, is_run
 from bertforge.tokenizer.load import Tokenizer
@@ -145,10 +145,12 @@ def load_to_continue(name: str, model: ModelConfig, given: Collection[str], seed
 
 
 def load_models(name: str | os.PathLike) -> tuple[list[Pretrained], dict[str, Any]]:
-    """The sequence model(s) behind `name`: a fine-tuning run gives its fold models (predict averages them) and its
-    run.json, whose text settings predict reuses; anything else is one model, with no settings."""
+    """The fine-tuned model(s) behind `name` (a sequence or token head): a fine-tuning run gives its fold models
+    (predict averages them) and its run.json, whose text settings predict reuses; anything else is one model, with
+    no settings."""
     found = fold_models(name)
     if found is not None:
         folders, settings = found
-        return [load_pretrained(f, head="sequence", require_head=True) for f in folders], settings
-    return [load_model(name, head="sequence", require_head=True)], {}
+        return [load_pretrained(f, head=fine_tuned_head(f), require_head=True) for f in folders], settings
+    head = "sequence" if is_run(Path(name)) else fine_tuned_head(name)
+    return [load_model(name, head=head, require_head=True)], {}

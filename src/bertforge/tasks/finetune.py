@@ -21,7 +21,7 @@ from bertforge import hub, runs
 from bertforge.config import to_dict
 from bertforge.data.batching import epoch_batches, ladder
 from bertforge.data.folds import FoldsConfig, check_classes, fold_plan, folds_to_run
-from bertforge.data.labelled import Table, TableConfig, read_table
+from bertforge.data.labelled import Table, TableConfig
 from bertforge.errors import UserError
 from bertforge.finetuning import TASKS
 from bertforge.model import dropout
@@ -29,7 +29,7 @@ from bertforge.model.hf import Pretrained
 from bertforge.model.load import load_model
 from bertforge.runtime.devices import MeshConfig, build_mesh, param_shardings
 from bertforge.tasks.finetune_fold import FinetuneTrainConfig, Job, scores, train_fold
-from bertforge.tasks.infer import prediction_table
+from bertforge.tokenizer.load import Encoded
 from bertforge.train import metrics
 from bertforge.train.ahead import Ahead
 from bertforge.train.loss_scale import with_loss_scale
@@ -85,15 +85,10 @@ def _setup(cfg: FinetuneConfig) -> tuple[Pretrained, Table, Table | None, list[i
     if not cfg.data.train:
         raise UserError("no training data given (--data TABLE)")
     task = TASKS[cfg.head.task]
-    table = read_table(cfg.data.train, cfg.data, task.read_targets)
-    valid = None
-    names = task.output_names(table, cfg.data)
-    if cfg.data.valid:
-        valid = read_table(cfg.data.valid, cfg.data, task.read_targets, names)
+    data = task.read(cfg.data.train, cfg.data, None)
+    names = task.output_names(data, cfg.data)
+    valid_data = task.read(cfg.data.valid, cfg.data, names) if cfg.data.valid else None
     run = [0] if cfg.data.valid else folds_to_run(cfg.folds)
-    folds = None if valid is not None else fold_plan(cfg.folds, table, task.strata)
-    if folds is not None:
-        check_classes(table, folds, run)
     h = cfg.head
     t = cfg.train
     overrides: dict[str, Any] = {"pooling": h.pooling, "dtype": t.dtype, "remat": t.remat, "attention": t.attention}
@@ -102,6 +97,12 @@ def _setup(cfg: FinetuneConfig) -> tuple[Pretrained, Table, Table | None, list[i
             overrides[name] = getattr(h, name)
     pre = load_model(cfg.model, head=task.HEAD, num_labels=len(names), seed=cfg.train.seed, overrides=overrides)
     pre.id2label = dict(enumerate(names))
+    limit = min(cfg.data.max_length, pre.model.config.max_seq_len)
+    table = task.rows(data, pre.tokenizer, cfg.data, limit)
+    valid = None if valid_data is None else task.rows(valid_data, pre.tokenizer, cfg.data, limit)
+    folds = None if valid is not None else fold_plan(cfg.folds, table, task.strata)
+    if folds is not None:
+        check_classes(table, folds, run)
     return pre, table, valid, run, folds
 
 
@@ -113,7 +114,7 @@ def main(cfg: FinetuneConfig, out: str, resume: str = "auto") -> dict[str, Any]:
         return _main(cfg, run_dir, resume, pre, table, valid, run, folds)
 
 
-def _ladder(encs: list, cfg: FinetuneConfig, limit: int) -> tuple[int, ...]:
+def _ladder(encs: list[Encoded], cfg: FinetuneConfig, limit: int) -> tuple[int, ...]:
     """The padded lengths every fold uses, chosen from the longest text of each batch of a first epoch over the
     whole table (a fold's batches are alike), so that the folds share their compiled programs."""
     lengths = np.array([len(e.ids) for e in encs])
@@ -125,13 +126,12 @@ def _ladder(encs: list, cfg: FinetuneConfig, limit: int) -> tuple[int, ...]:
 def _job(cfg: FinetuneConfig, run_dir: Path, pre: Pretrained, table: Table, valid: Table | None, several: bool) -> Job:
     """The encoded tables, the mesh, the optimizer and the compiled programs every fold shares."""
     limit = min(cfg.data.max_length, pre.model.config.max_seq_len)
-    encode = functools.partial(pre.tokenizer.encode_batch, max_length=limit, truncation=cfg.data.truncation)
+    assert table.encs is not None and (valid is None or valid.encs is not None)
     mesh = build_mesh(cfg.mesh, cfg.train.batch_size, cfg.train.grad_accum, "train.batch_size")
     shards = mesh.shape["data"] * mesh.shape["fsdp"]
     if cfg.train.eval_batch_size % shards:
         raise UserError(f"train.eval_batch_size={cfg.train.eval_batch_size} does not split over {shards} devices")
     graphdef, params, rest = nnx.split(pre.model, nnx.Param, ...)
-    encs = encode(table.texts, table.pairs)
     pristine = jax.device_get(params)
     shardings = param_shardings(pre.model, mesh)
     tx = with_loss_scale(make_optimizer(cfg.optim, params, pre.model.config.num_layers), pre.model.config.dtype)
@@ -160,10 +160,10 @@ def _job(cfg: FinetuneConfig, run_dir: Path, pre: Pretrained, table: Table, vali
         limit=limit,
         pre=pre,
         table=table,
-        encs=encs,
-        rungs=_ladder(encs, cfg, limit),
+        encs=table.encs,
+        rungs=_ladder(table.encs, cfg, limit),
         valid_table=valid,
-        valid_encs=None if valid is None else encode(valid.texts, valid.pairs),
+        valid_encs=None if valid is None else valid.encs,
         mesh=mesh,
         graphdef=graphdef,
         rest=rest,
@@ -220,6 +220,7 @@ def _folds(
             "text_pair_column": cfg.data.text_pair_column,
             "max_length": job.limit,
             "truncation": cfg.data.truncation,
+            "stride": cfg.data.stride,
             "folds": [] if folds is None else list(range(cfg.folds.k)),
         }
         runs.write_info(run_dir, "finetune", info)
@@ -268,9 +269,8 @@ def _summarise(cfg: FinetuneConfig, job: Job, results: list[dict[str, Any]]) -> 
     if jax.process_index() == 0:
         ids = table.row_ids()
         names = [job.pre.id2label[i] for i in range(len(job.pre.id2label))]
-        truth = job.task.truth_columns(table, cfg.data, rows)
         keys = [("id", [ids[r] for r in rows]), ("fold", [int(f) for f in fold_of])]
-        header, body = prediction_table(job.task, names, outputs, keys, truth)
+        header, body = job.task.out_of_fold(table, cfg.data, names, rows, outputs, keys)
         runs.write_outcome(job.run_dir, header, body, summary)
     return summary
 

@@ -31,7 +31,7 @@ from bertforge.train import loop, metrics
 from bertforge.train.checkpoint import Checkpoints
 from bertforge.train.metrics_log import LogConfig, MetricsLog, read_metrics
 from bertforge.train.optim import OptimConfig, learning_rate, warmup_fraction
-from bertforge.train.sequence_step import LOSSES
+from bertforge.train.sequence_step import LOSSES, loss_count
 from bertforge.train.step import TrainState, new_train_state
 
 
@@ -127,7 +127,7 @@ def _batch(job: Job, rows: np.ndarray, length: int) -> dict[str, np.ndarray]:
 
 def scores(job: Job, outputs: np.ndarray, targets: np.ndarray) -> dict[str, float]:
     """The task's metrics and the loss of `outputs` against `targets`."""
-    found = job.task.scores(outputs, targets)
+    found = job.task.scores(outputs, targets, [job.pre.id2label[i] for i in range(len(job.pre.id2label))])
     found["loss"] = float(_mean_loss(outputs, targets, job.loss))
     return found
 
@@ -135,7 +135,8 @@ def scores(job: Job, outputs: np.ndarray, targets: np.ndarray) -> dict[str, floa
 @functools.partial(jax.jit, static_argnums=2)
 def _mean_loss(outputs: jax.Array, targets: jax.Array, loss: str) -> jax.Array:
     # One program: run op by op, the loss would compile a dozen (0.3-0.5 s on a first run, with their tracing).
-    return jnp.mean(LOSSES[loss](outputs, targets))
+    weight = jnp.ones(outputs.shape[0], jnp.float32)
+    return jnp.sum(LOSSES[loss](outputs, targets)) / loss_count(loss, targets, weight)
 
 
 def compile_ahead(job: Job, state: TrainState, key: jax.Array, lengths: np.ndarray, valid_lengths: np.ndarray,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Sized
 from typing import Any
 
 import jax
@@ -16,10 +16,12 @@ from tqdm.auto import tqdm
 from bertforge.data import tabular
 from bertforge.data.batching import BUCKET, bucket_length, by_length, pad_batch, padded_length
 from bertforge.errors import UserError
-from bertforge.finetuning import FinetuneTask, task_of
-from bertforge.model.heads import MaskedLM, SequenceClassifier
+from bertforge.finetuning import task_of
+from bertforge.finetuning.tables import prediction_table
+from bertforge.model.heads import MaskedLM, SequenceClassifier, TokenClassifier
 from bertforge.model.hf import Pretrained
 from bertforge.model.load import load_model, load_models
+from bertforge.tasks.predict_tokens import predict_tokens
 from bertforge.tokenizer.load import TRUNCATIONS, Encoded, Tokenizer, Truncation
 
 
@@ -93,8 +95,8 @@ def fill_mask_main(cfg: FillMaskConfig) -> list[list[list[dict[str, Any]]]]:
 @dataclasses.dataclass(frozen=True)
 class PredictConfig:
     model: str  # a fine-tuning run (its folds averaged) or a model folder
-    data: str  # CSV, TSV or JSONL
-    out: str  # CSV to write
+    data: str  # CSV, TSV or JSONL; for a token-classification model CoNLL, JSONL or JSON
+    out: str  # CSV to write; for a token-classification model JSONL (CoNLL for CoNLL input)
     text_column: str | None = None  # default: the fine-tuning run's, else 'text'
     text_pair_column: str | None = None
     id_column: str | None = None  # kept in the output; 'id' is kept when present and this is unset
@@ -102,6 +104,7 @@ class PredictConfig:
     max_length: int | None = None  # default: the fine-tuning run's, else the model's
     truncation: Truncation | None = None  # default: the fine-tuning run's, else 'head'
     quoted_tsv: bool = False  # a .tsv table written with CSV quoting; by default a TSV has none and '"' is text
+    format: str = ""  # a token-classification model's input: conll, jsonl or json (default: from the file name)
 
     def __post_init__(self) -> None:
         if self.truncation is not None and self.truncation not in TRUNCATIONS:
@@ -125,7 +128,7 @@ def outputs_by_length(
     bar: Any = None,
     rungs: tuple[int, ...] = (),
 ) -> np.ndarray:
-    """forward(batch) -> (B, L) over all encodings, in input order.
+    """forward(batch) -> (B, L) over all encodings, in input order; a token model's (B, T, L) as (N, limit, L).
 
     Texts are sorted by length, longest first, and batched with little padding; every batch has `batch_size` rows
     (the last is filled with padding rows), so a model compiles once per padded length: the shortest of `rungs`
@@ -137,9 +140,9 @@ def outputs_by_length(
         length = padded_length(max(len(e.ids) for e in chunk), limit, bucket, rungs)
         batch = pad_batch(chunk, pad_id, length, batch_size)
         values = np.asarray(forward(batch))[: len(idx)]
-        if out is None:
-            out = np.zeros((len(encs), values.shape[1]), np.float32)
-        out[idx] = values
+        if out is None:  # token outputs (B, T, L) are kept at `limit` tokens, the rest zeros
+            out = np.zeros((len(encs), *((limit,) if values.ndim == 3 else ()), values.shape[-1]), np.float32)
+        out[idx, ...] = values if values.ndim == 2 else np.pad(values, ((0, 0), (0, limit - length), (0, 0)))
         if bar is not None:
             bar.update(len(idx))
     assert out is not None
@@ -191,8 +194,11 @@ def run_outputs(
     return predict_outputs(models, texts, pairs, batch_size, max_length, truncation)
 
 
-def predict_main(cfg: PredictConfig) -> np.ndarray:
+def predict_main(cfg: PredictConfig) -> Sized:
+    """Write cfg.out; returns the predictions (a row of outputs, or a token model's entities, per text)."""
     models, settings = load_models(cfg.model)
+    if isinstance(models[0].model, TokenClassifier):
+        return predict_tokens(models, settings, cfg, outputs_by_length)
     columns, rows = tabular.read_table(cfg.data, quoted_tsv=cfg.quoted_tsv)
     if not rows:
         raise UserError(f"{cfg.data}: no rows")
@@ -208,24 +214,5 @@ def predict_main(cfg: PredictConfig) -> np.ndarray:
     task = task_of(settings, first.model.num_labels)
     names = task.column_names([first.id2label.get(j, str(j)) for j in range(first.model.num_labels)], settings)
     keys = [(id_column, [row.get(id_column) for row in rows])] if id_column else []
-    tabular.write_csv(cfg.out, *prediction_table(task, names, outputs, keys))
+    tabular.write_csv(cfg.out, *prediction_table(task.prediction_columns, names, outputs, keys))
     return outputs
-
-
-def prediction_table(
-    task: FinetuneTask,
-    names: Sequence[str],
-    outputs: np.ndarray,
-    keys: Sequence[tuple[str, Sequence[Any]]] = (),
-    targets: tuple[Sequence[str], Sequence[Sequence[str]]] | None = None,
-) -> tuple[list[str], list[list[Any]]]:
-    """Header and rows of a predictions CSV: the `keys` columns ((name, values), such as ids), then the true values
-    when `targets` gives them ((header, rows): out-of-fold predictions), then the `task`'s prediction columns of
-    `outputs` (FinetuneTask.prediction_columns), one per output of `names` or more.
-    """
-    predicted, values = task.prediction_columns(names, outputs, beside_truth=targets is not None)
-    target_header, target_rows = targets if targets is not None else ((), [() for _ in values])
-    header = [*(name for name, _ in keys), *target_header, *predicted]
-    columns = [column for _, column in keys]
-    body = [[*(c[i] for c in columns), *target_rows[i], *v] for i, v in enumerate(values)]
-    return header, body

@@ -30,13 +30,18 @@ from bertforge.train.step import TrainState, accumulate, apply_update, micro_bat
 
 LossFn = Callable[[jax.Array, jax.Array], jax.Array]  # (outputs (B, L), targets) -> per-row loss (B,)
 LOSSES: dict[str, LossFn] = {}
+PER_TOKEN: set[str] = set()  # losses summed over each row's labelled tokens, and averaged over the batch's tokens
 
 
-def register_loss(name: str) -> Callable[[LossFn], LossFn]:
-    """Make a per-row loss available as `head.loss: NAME` in fine-tuning configs."""
+def register_loss(name: str, per_token: bool = False) -> Callable[[LossFn], LossFn]:
+    """Make a per-row loss available as `head.loss: NAME` in fine-tuning configs. A `per_token` loss returns each
+    row's sum over its labelled tokens (label >= 0), and the batch's loss is divided by their number, not the
+    rows'."""
 
     def add(fn: LossFn) -> LossFn:
         LOSSES[name] = fn
+        if per_token:
+            PER_TOKEN.add(name)
         return fn
 
     return add
@@ -60,6 +65,25 @@ def cross_entropy(outputs: jax.Array, targets: jax.Array) -> jax.Array:
 @register_loss("bce")
 def bce(outputs: jax.Array, targets: jax.Array) -> jax.Array:
     return jnp.mean(optax.sigmoid_binary_cross_entropy(outputs, targets), axis=-1)
+
+
+@register_loss("token_cross_entropy", per_token=True)
+def token_cross_entropy(outputs: jax.Array, targets: jax.Array) -> jax.Array:
+    """outputs (B, T, L), targets (B, T', 2) with T' >= T: each token's label in [..., 0], -100 where it has none
+    (and past T)."""
+    labels = targets[:, : outputs.shape[1], 0]  # (B, T)
+    labelled = labels >= 0
+    ce = optax.softmax_cross_entropy_with_integer_labels(outputs, jnp.where(labelled, labels, 0))
+    return jnp.sum(jnp.where(labelled, ce, 0.0), axis=-1)
+
+
+def loss_count(loss: str, targets: jax.Array, weight: jax.Array) -> jax.Array:
+    """What a batch's weighted loss sum is averaged over: its real rows (weight > 0), or for a per-token loss their
+    labelled tokens; at least 1."""
+    real = weight > 0
+    if loss in PER_TOKEN:
+        real = (targets[..., 0] >= 0) & real[:, None]
+    return jnp.maximum(jnp.sum(real), 1).astype(jnp.float32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,7 +161,7 @@ def gradients(
     that draws no dropout), the loss, and with sparse_embeddings the rows of the batch's tokens, to which the
     table's gradient is cut (else None). `scale`: float16's loss scale (loss_scale.py), divided out again."""
     loss_of = LOSSES[cfg.loss]
-    real = jnp.maximum(jnp.sum(batch["weight"] > 0), 1).astype(jnp.float32)
+    real = loss_count(cfg.loss, batch["targets"], batch["weight"])
     micro = {k: micro_batches(v, cfg.grad_accum) for k, v in batch.items()}
 
     def loss_fn(params: Any, xs: tuple) -> jax.Array:

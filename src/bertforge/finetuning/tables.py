@@ -1,0 +1,49 @@
+"""What the tasks with one output row per table row (regression, classification, multi-label) share: reading the
+table, encoding each row's text (or text pair), and writing a predictions table."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from bertforge.data.labelled import Table, TableConfig, TargetReader, read_table
+from bertforge.tokenizer.load import Tokenizer
+
+# A task's prediction columns: (names, outputs (N, L), beside_truth) -> (header, rows).
+PredictionColumns = Callable[[Sequence[str], np.ndarray, bool], tuple[list[str], list[list[Any]]]]
+
+
+def reader(read_targets: TargetReader) -> Callable[[str, TableConfig, Sequence[str] | None], Table]:
+    """A task's `read`: the table with every value checked, its targets read by `read_targets`."""
+
+    def read(path: str, cfg: TableConfig, known: Sequence[str] | None) -> Table:
+        return read_table(path, cfg, read_targets, known)
+
+    return read
+
+
+def rows(table: Table, tokenizer: Tokenizer, cfg: TableConfig, limit: int) -> Table:
+    """The table with each row's text (and pair) encoded, truncated to `limit` tokens as data.truncation says."""
+    table.encs = tokenizer.encode_batch(table.texts, table.pairs, max_length=limit, truncation=cfg.truncation)
+    return table
+
+
+def prediction_table(
+    columns: PredictionColumns,
+    names: Sequence[str],
+    outputs: np.ndarray,
+    keys: Sequence[tuple[str, Sequence[Any]]] = (),
+    targets: tuple[Sequence[str], Sequence[Sequence[str]]] | None = None,
+) -> tuple[list[str], list[list[Any]]]:
+    """Header and rows of a predictions CSV: the `keys` columns ((name, values), such as ids), then the true values
+    when `targets` gives them ((header, rows): out-of-fold predictions), then a task's prediction `columns` of
+    `outputs`, one per output of `names` or more.
+    """
+    predicted, values = columns(names, outputs, targets is not None)
+    target_header, target_rows = targets if targets is not None else ((), [() for _ in values])
+    header = [*(name for name, _ in keys), *target_header, *predicted]
+    key_columns = [column for _, column in keys]
+    body = [[*(c[i] for c in key_columns), *target_rows[i], *v] for i, v in enumerate(values)]
+    return header, body

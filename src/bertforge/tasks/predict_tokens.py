@@ -1,0 +1,90 @@
+"""`bertforge predict` with a token-classification run (its fold models averaged) or folder: each text's entities
+with their character offsets (JSONL), or for CoNLL input the same file with a predicted tag per token."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import fsspec
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from bertforge.data import windows
+from bertforge.data.tagged import Document, data_format, read_documents
+from bertforge.errors import UserError
+from bertforge.fileio import write_atomic_fs
+from bertforge.finetuning import tokens
+from bertforge.model.heads import TokenClassifier
+from bertforge.model.hf import Pretrained
+
+INPUTS = ("input_ids", "attention_mask", "token_type_ids")
+Outputs = Callable[..., np.ndarray]  # infer.outputs_by_length
+
+
+@nnx.jit
+def _token_outputs(model: TokenClassifier, ids, mask, types):
+    return model(ids, mask, types)
+
+
+def document_predictions(
+    models: Sequence[Pretrained], docs: Sequence[Document], limit: int, stride: int, batch_size: int,
+    outputs_by_length: Outputs,
+) -> tuple[list[np.ndarray], list[windows.Units]]:  # fmt: skip
+    """Each document's (U, L) unit outputs, the mean of `models`' (a run's folds share one tokenizer), and its
+    units."""
+    tok = models[0].tokenizer
+    units = tokens.units_of(docs, tok)
+    wins = [w for d, u in enumerate(units) for w in windows.document_windows(tok, u, None, d, limit, stride, False)]
+    encs = [w.encoded for w in wins]
+    total = np.zeros(0, np.float32)
+    for pre in models:
+        if not isinstance(pre.model, TokenClassifier):
+            raise UserError(f"{pre.folder}: not a token-classification model")
+        pre.model.eval()
+        forward = lambda b, m=pre.model: _token_outputs(m, *(jnp.asarray(b[k]) for k in INPUTS))  # noqa: E731
+        out = outputs_by_length(forward, encs, tok.pad_id, batch_size, limit)
+        total = out if total.size == 0 else total + out
+    by_doc = tokens.document_outputs(wins, units, len(tok.template.prefix), total / len(models))
+    return [by_doc[d] for d in range(len(docs))], units
+
+
+def predict_tokens(
+    models: Sequence[Pretrained], settings: dict[str, Any], cfg: Any, outputs_by_length: Outputs
+) -> list[list[dict[str, Any]]]:
+    """Write cfg.out for cfg.data (infer.PredictConfig); returns each document's entities."""
+    docs = read_documents(cfg.data, cfg.format, labelled=False)
+    max_seq_len = models[0].model.config.max_seq_len
+    limit = min(cfg.max_length or settings.get("max_length") or max_seq_len, max_seq_len)
+    stride = int(settings.get("stride", 32))
+    outputs, units = document_predictions(models, docs, limit, stride, cfg.batch_size, outputs_by_length)
+    first = models[0]
+    names = [first.id2label.get(j, str(j)) for j in range(first.model.num_labels)]
+    found = [tokens.entities(d.text, u, o, names) for d, u, o in zip(docs, units, outputs, strict=True)]
+    if data_format(cfg.data, cfg.format) == "conll":
+        text = _conll(docs, units, outputs, names)
+    else:
+        text = "".join(_line({"id": d.id, "entities": e}) for d, e in zip(docs, found, strict=True))
+    fs, path = fsspec.core.url_to_fs(cfg.out)
+    write_atomic_fs(fs, path, text.encode("utf-8"))
+    return found
+
+
+def _line(record: dict[str, Any]) -> str:
+    """A JSON line, with the characters that some readers take as line ends (str.splitlines) escaped."""
+    line = json.dumps(record, ensure_ascii=False)
+    return line.replace("\x85", "\\u0085").replace("\u2028", "\\u2028").replace("\u2029", "\\u2029") + "\n"
+
+
+def _conll(docs: Sequence[Document], units: Sequence[windows.Units], outputs: Sequence[np.ndarray],
+           names: Sequence[str]) -> str:  # fmt: skip
+    """Each word and its predicted tag, tab-separated, a blank line after each text."""
+    lines = []
+    for doc, u, out in zip(docs, units, outputs, strict=True):
+        covered = u.first_tokens() >= 0
+        for (start, end), best, c in zip(doc.words or (), np.argmax(out, axis=-1), covered, strict=True):
+            lines.append(f"{doc.text[start:end]}\t{names[best] if c else 'O'}")
+        lines.append("")
+    return "\n".join(lines) + "\n"
