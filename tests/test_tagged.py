@@ -115,7 +115,7 @@ def test_span_records_with_span_or_start_and_end(tmp_path):
         ),
     )
     assert read_documents(path) == [
-        Document("w1", text, None, None, (Entity(0, 12, "PER"), Entity(17, 32, "PER"), Entity(36, 42, "LOC"))),
+        Document("0", text, None, None, (Entity(0, 12, "PER"), Entity(17, 32, "PER"), Entity(36, 42, "LOC")), "w1"),
         Document("1", "nothing here", None, None, ()),
     ]
     unlabelled = write(tmp_path / "raw.json", json.dumps([{"text": "just text", "id": "x"}]))

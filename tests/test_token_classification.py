@@ -337,6 +337,17 @@ def test_predict_writes_entities_whose_offsets_slice_the_text(token_run, tmp_pat
             assert e["type"] in ("PLACE", "TEAM") and 0 < e["score"] <= 1
 
 
+def test_the_python_api_gives_what_predict_writes(token_run, tmp_path):
+    import bertforge
+
+    texts = ["the city station and the team", "of the city"]
+    path = write_jsonl(tmp_path / "texts.jsonl", [{"id": str(i), "text": t} for i, t in enumerate(texts)])
+    out = tmp_path / "entities.jsonl"
+    assert cli(["predict", "--model", str(token_run), "--data", str(path), "--out", str(out)]) == 0
+    written = [json.loads(line)["entities"] for line in out.read_text(encoding="utf-8").splitlines()]
+    assert bertforge.entities(token_run, texts) == written
+
+
 def test_predict_on_conll_writes_a_tag_per_word(token_run, tmp_path):
     records = tagged_sentences(6, seed=12)
     conll = tmp_path / "test.conll"

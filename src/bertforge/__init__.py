@@ -10,6 +10,7 @@ The Python API mirrors the command line:
     summary = bertforge.finetune("configs/finetune/commonlit-minilm.yaml", out="run", model="path/or/hub-id")
     bertforge.predict("run", ["a text"])              # the mean of the run's fold models
     bertforge.labels("run")                           # the names of predict's columns
+    bertforge.entities("ner-run", ["a text"])         # a token-classification run's entities per text
     bertforge.save(pre.model, "export/", pre.tokenizer)
 """
 
@@ -38,6 +39,7 @@ _API = {
     "fill_mask": ("bertforge.api", "fill_mask"),
     "predict": ("bertforge.api", "predict"),
     "labels": ("bertforge.api", "labels"),
+    "entities": ("bertforge.api", "entities"),
     "finetune": ("bertforge.api", "finetune"),
     "pretrain": ("bertforge.api", "pretrain"),
 }

@@ -11,9 +11,11 @@ from typing import Any
 import numpy as np
 
 from bertforge import runs
+from bertforge.data.tagged import Document
 from bertforge.model.hf import Pretrained
 from bertforge.model.load import load_model, load_models
 from bertforge.tasks import infer
+from bertforge.tasks.predict_tokens import document_entities
 
 
 def _loaded(model: str | os.PathLike | Pretrained, head: str) -> Pretrained:
@@ -57,6 +59,23 @@ def predict(
     else:
         models, settings = load_models(str(model))
     return infer.run_outputs(models, settings, list(texts), pairs, batch_size, max_length, truncation)
+
+
+def entities(
+    model: str | os.PathLike | Pretrained,
+    texts: Sequence[str],
+    batch_size: int = 32,
+    max_length: int | None = None,
+) -> list[list[dict[str, Any]]]:
+    """Each text's entities by a token-classification run (its folds averaged) or folder: {start, end, type, text,
+    score} with character offsets into the text, as `bertforge predict` writes them."""
+    if isinstance(model, Pretrained):
+        models, settings = [model], {}
+    else:
+        models, settings = load_models(str(model))
+    docs = [Document(str(i), t, None, None, None) for i, t in enumerate(texts)]
+    found, _, _ = document_entities(models, settings, docs, max_length, batch_size, infer.outputs_by_length)
+    return found
 
 
 def labels(model: str | os.PathLike | Pretrained) -> list[str]:

@@ -33,6 +33,7 @@ class Document:
     words: tuple[tuple[int, int], ...] | None  # word formats: each word's (start, end) in text; None for spans
     tags: tuple[str, ...] | None  # word formats: one tag per word; None when the input has none
     entities: tuple[Entity, ...] | None  # span format: the entities by start; None when the record gives none
+    group: str | None = None  # a record's 'curid' or 'group' (its article): a group's texts stay in one fold
 
 
 FORMATS = ("conll", "jsonl", "json")
@@ -202,20 +203,30 @@ def _record_documents(path: str, records: Iterable[tuple[str, dict]], labelled: 
         if id_ in ids:
             raise UserError(f"{here} repeats the id {_show(id_)} of {ids[id_]}")
         ids[id_] = where
-        docs.append(
-            _word_record(here, row, id_, labelled) if kind == "tokens" else _span_record(here, row, id_, labelled)
-        )
+        doc = _word_record(here, row, id_, labelled) if kind == "tokens" else _span_record(here, row, id_, labelled)
+        docs.append(dataclasses.replace(doc, group=_record_group(here, row)))
     return docs
 
 
-def _record_id(here: str, row: dict, index: int) -> str:
-    key = "id" if "id" in row else "curid" if "curid" in row else ""
-    if not key:
-        return str(index)
+def _record_key(here: str, row: dict, key: str) -> str | None:
+    """The record's `key` as a string, None when it has none."""
+    if key not in row:
+        return None
     value = row[key]
     if isinstance(value, bool) or not isinstance(value, (str, int)):
         raise UserError(f"{here}: '{key}' is not a string or an integer ({_show(value)})")
     return str(value)
+
+
+def _record_id(here: str, row: dict, index: int) -> str:
+    found = _record_key(here, row, "id")
+    return str(index) if found is None else found
+
+
+def _record_group(here: str, row: dict) -> str | None:
+    """An article id ('curid', as Wikipedia sets have it) or a 'group': several records may share it."""
+    found = _record_key(here, row, "group")
+    return _record_key(here, row, "curid") if found is None else found
 
 
 def _word_record(here: str, row: dict, id_: str, labelled: bool) -> Document:

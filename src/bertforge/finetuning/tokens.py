@@ -141,7 +141,7 @@ def rows(data: Tagged, tokenizer: Tokenizer, cfg: TableConfig, limit: int) -> Ta
         labels=None,
         weights=np.ones(len(made), np.float32),
         ids=[docs[w.doc].id for w in made],
-        groups=[str(w.doc) for w in made],  # a document's windows stay in one fold
+        groups=[docs[w.doc].group or f"#{w.doc}" for w in made],  # a document's (a group's) windows: one fold
         encs=[w.encoded for w in made],
         source=Rows(data, units, tags, made, len(tokenizer.template.prefix)),
     )

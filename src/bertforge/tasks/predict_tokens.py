@@ -51,19 +51,31 @@ def document_predictions(
     return [by_doc[d] for d in range(len(docs))], units
 
 
+def document_entities(
+    models: Sequence[Pretrained], settings: dict[str, Any], docs: Sequence[Document], max_length: int | None,
+    batch_size: int, outputs_by_length: Outputs,
+) -> tuple[list[list[dict[str, Any]]], list[np.ndarray], list[windows.Units]]:  # fmt: skip
+    """Each document's entities, (U, L) unit outputs and units; the run's length and stride where none is given."""
+    max_seq_len = models[0].model.config.max_seq_len
+    limit = min(max_length or settings.get("max_length") or max_seq_len, max_seq_len)
+    stride = int(settings.get("stride", 32))
+    outputs, units = document_predictions(models, docs, limit, stride, batch_size, outputs_by_length)
+    first = models[0]
+    names = [first.id2label.get(j, str(j)) for j in range(first.model.num_labels)]
+    found = [tokens.entities(d.text, u, o, names) for d, u, o in zip(docs, units, outputs, strict=True)]
+    return found, outputs, units
+
+
 def predict_tokens(
     models: Sequence[Pretrained], settings: dict[str, Any], cfg: Any, outputs_by_length: Outputs
 ) -> list[list[dict[str, Any]]]:
     """Write cfg.out for cfg.data (infer.PredictConfig); returns each document's entities."""
     docs = read_documents(cfg.data, cfg.format, labelled=False)
-    max_seq_len = models[0].model.config.max_seq_len
-    limit = min(cfg.max_length or settings.get("max_length") or max_seq_len, max_seq_len)
-    stride = int(settings.get("stride", 32))
-    outputs, units = document_predictions(models, docs, limit, stride, cfg.batch_size, outputs_by_length)
-    first = models[0]
-    names = [first.id2label.get(j, str(j)) for j in range(first.model.num_labels)]
-    found = [tokens.entities(d.text, u, o, names) for d, u, o in zip(docs, units, outputs, strict=True)]
+    found, outputs, units = document_entities(models, settings, docs, cfg.max_length, cfg.batch_size,
+                                              outputs_by_length)  # fmt: skip
     if data_format(cfg.data, cfg.format) == "conll":
+        first = models[0]
+        names = [first.id2label.get(j, str(j)) for j in range(first.model.num_labels)]
         text = _conll(docs, units, outputs, names)
     else:
         text = "".join(_line({"id": d.id, "entities": e}) for d, e in zip(docs, found, strict=True))
