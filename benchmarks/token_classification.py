@@ -7,8 +7,8 @@ The split is fixed by `curid` and uses no hash: the distinct curids are sorted, 
 when `int(curid) % 10 == 0` (about 10%: 514 of 5,235 articles, 525 sentences), to training otherwise. The work
 folder gets `train.json` and `valid.json` in the set's own record format, and both systems read exactly those two
 files. Each record also gets an `id` (its curid, then `-2`, `-3`, ... for the second and later sentences of the same
-article): the set repeats curids (102 articles have several sentences) and a record's id must be unique (bertforge
-takes a record's `id`, and without one reads its curid as the id and refuses a repeat). `--train-fraction F` keeps
+article): the set repeats curids (102 articles have several sentences), and the outputs name each sentence by its
+id (bertforge reads a curid as the record's article, whose sentences stay in one fold). `--train-fraction F` keeps
 a deterministic share of the training articles (a seeded shuffle of the sorted curids) for quick trials; validation
 is always whole.
 

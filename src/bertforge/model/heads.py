@@ -156,18 +156,22 @@ class MaskedLM(nnx.Module):
         return self.logits_at(self.encoder(input_ids, attention_mask, token_type_ids))
 
 
-class SequenceClassifier(nnx.Module):
-    """An encoder with a sequence head."""
+class Labelled(nnx.Module):
+    """An encoder with a fine-tuning head of num_labels outputs (the sequence and token classifiers)."""
 
-    task = "sequence"
-
-    def __init__(self, cfg: ModelConfig, num_labels: int, encoder: nnx.Module, head: SequenceHead):
+    def __init__(self, cfg: ModelConfig, num_labels: int, encoder: nnx.Module, head: nnx.Module):
         if num_labels < 1:
             raise ValueError(f"num_labels must be positive, got {num_labels}")
         self.config = cfg
         self.num_labels = num_labels
         self.encoder = encoder
         self.head = head
+
+
+class SequenceClassifier(Labelled):
+    """An encoder with a sequence head."""
+
+    task = "sequence"
 
     def __call__(self, input_ids: jax.Array, attention_mask: Ids = None, token_type_ids: Ids = None) -> jax.Array:
         """(B, T) -> (B, L) float32: regression values when L == 1, else class logits."""
@@ -179,18 +183,10 @@ class SequenceClassifier(nnx.Module):
         return self.head(self.encoder(input_ids, attention_mask, token_type_ids, first_only), attention_mask)
 
 
-class TokenClassifier(nnx.Module):
+class TokenClassifier(Labelled):
     """An encoder with a token head: one row of logits per token (tagging, named entities)."""
 
     task = "token"
-
-    def __init__(self, cfg: ModelConfig, num_labels: int, encoder: nnx.Module, head: TokenHead):
-        if num_labels < 1:
-            raise ValueError(f"num_labels must be positive, got {num_labels}")
-        self.config = cfg
-        self.num_labels = num_labels
-        self.encoder = encoder
-        self.head = head
 
     def __call__(self, input_ids: jax.Array, attention_mask: Ids = None, token_type_ids: Ids = None) -> jax.Array:
         """(B, T) -> (B, T, L) float32 logits; those at padding positions mean nothing."""
