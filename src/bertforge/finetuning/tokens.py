@@ -198,17 +198,18 @@ def entities(text: str, units: windows.Units, outputs: np.ndarray, names: Sequen
 
 
 def _entity(text: str, units: windows.Units, kind: str, first: int, last: int, probs: np.ndarray) -> dict[str, Any]:
+    return {**_span(text, units, kind, first, last), "score": round(float(probs.mean()), 6)}
+
+
+def _span(text: str, units: windows.Units, kind: str, first: int, last: int) -> dict[str, Any]:
+    """An entity over units first..last: its characters, type and text."""
     start, end = units.spans[first][0], units.spans[last][1]
-    return {"start": start, "end": end, "type": kind, "text": text[start:end], "score": round(float(probs.mean()), 6)}
+    return {"start": start, "end": end, "type": kind, "text": text[start:end]}
 
 
 def true_entities(text: str, units: windows.Units, tags: Sequence[str]) -> list[dict[str, Any]]:
     """The entities of a document's unit tags, as `entities` writes them (without a score)."""
-    out = []
-    for kind, first, last in spans_of(tags):
-        start, end = units.spans[first][0], units.spans[last][1]
-        out.append({"start": start, "end": end, "type": kind, "text": text[start:end]})
-    return out
+    return [_span(text, units, kind, first, last) for kind, first, last in spans_of(tags)]
 
 
 def document_outputs(

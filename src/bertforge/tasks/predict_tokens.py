@@ -51,6 +51,11 @@ def document_predictions(
     return [by_doc[d] for d in range(len(docs))], units
 
 
+def label_names(pre: Pretrained) -> list[str]:
+    """The model's output names, by output."""
+    return [pre.id2label.get(j, str(j)) for j in range(pre.model.num_labels)]
+
+
 def document_entities(
     models: Sequence[Pretrained], settings: dict[str, Any], docs: Sequence[Document], max_length: int | None,
     batch_size: int, outputs_by_length: Outputs,
@@ -60,8 +65,7 @@ def document_entities(
     limit = min(max_length or settings.get("max_length") or max_seq_len, max_seq_len)
     stride = int(settings.get("stride", 32))
     outputs, units = document_predictions(models, docs, limit, stride, batch_size, outputs_by_length)
-    first = models[0]
-    names = [first.id2label.get(j, str(j)) for j in range(first.model.num_labels)]
+    names = label_names(models[0])
     found = [tokens.entities(d.text, u, o, names) for d, u, o in zip(docs, units, outputs, strict=True)]
     return found, outputs, units
 
@@ -74,9 +78,7 @@ def predict_tokens(
     found, outputs, units = document_entities(models, settings, docs, cfg.max_length, cfg.batch_size,
                                               outputs_by_length)  # fmt: skip
     if data_format(cfg.data, cfg.format) == "conll":
-        first = models[0]
-        names = [first.id2label.get(j, str(j)) for j in range(first.model.num_labels)]
-        text = _conll(docs, units, outputs, names)
+        text = _conll(docs, units, outputs, label_names(models[0]))
     else:
         text = "".join(_line({"id": d.id, "entities": e}) for d, e in zip(docs, found, strict=True))
     fs, path = fsspec.core.url_to_fs(cfg.out)
