@@ -51,14 +51,20 @@ def predict(
     batch_size: int = 32,
     max_length: int | None = None,
     truncation: str | None = None,
+    long_text: str | None = None,
+    window_pool: str | None = None,
+    stride: int | None = None,
 ) -> np.ndarray:
     """(N, num_labels) outputs of a sequence model, or the mean over a fine-tuning run's folds: the numbers
-    `bertforge predict` writes."""
+    `bertforge predict` writes. A text longer than max_length is truncated, or with long_text='windows' cut into
+    windows overlapping by `stride` tokens whose outputs are pooled by `window_pool` (mean or max); each option
+    not given is the fine-tuning run's."""
     if isinstance(model, Pretrained):
         models, settings = [model], {}
     else:
         models, settings = load_models(str(model))
-    return infer.run_outputs(models, settings, list(texts), pairs, batch_size, max_length, truncation)
+    given = {"long_text": long_text, "window_pool": window_pool, "stride": stride}
+    return infer.run_outputs(models, settings, list(texts), pairs, batch_size, max_length, truncation, **given)
 
 
 def entities(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal, get_args
 
 import numpy as np
 
@@ -13,6 +13,11 @@ from bertforge.data import tabular
 from bertforge.data.batching import POOL
 from bertforge.errors import UserError
 from bertforge.tokenizer.load import TRUNCATIONS, Encoded, Truncation
+
+LongTextMode = Literal["truncate", "windows"]  # data.long_text: what becomes of a text longer than max_length
+WindowPool = Literal["mean", "max"]  # data.window_pool: how a text's output is made of its windows'
+LONG_TEXTS: tuple[str, ...] = get_args(LongTextMode)
+WINDOW_POOLS: tuple[str, ...] = get_args(WindowPool)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +45,10 @@ class TableConfig:
     tag_scheme: str = ""
     label_all_tokens: bool = False
     stride: int = 32
+    # Regression and classification: a text longer than max_length is truncated (as `truncation` says), or cut
+    # into windows overlapping by `stride` tokens whose outputs are pooled (window_pool: mean or max).
+    long_text: LongTextMode = "truncate"
+    window_pool: WindowPool = "mean"
 
     def __post_init__(self) -> None:
         if self.truncation not in TRUNCATIONS:
@@ -48,6 +57,10 @@ class TableConfig:
             raise ValueError("target_columns is empty")
         if self.tag_scheme not in ("", "io", "bio", "bioes"):
             raise ValueError(f"tag_scheme {self.tag_scheme!r} is not one of io, bio, bioes")
+        if self.long_text not in LONG_TEXTS:
+            raise ValueError(f"long_text {self.long_text!r} is not one of {', '.join(LONG_TEXTS)}")
+        if self.window_pool not in WINDOW_POOLS:
+            raise ValueError(f"window_pool {self.window_pool!r} is not one of {', '.join(WINDOW_POOLS)}")
         if self.stride < 0:
             raise ValueError(f"stride must be at least 0, got {self.stride}")
         if self.max_length < 2 or self.bucket < 0 or self.shapes < 0 or self.pool < 1:

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from bertforge.data import long_text
 from bertforge.data.labelled import Table, TableConfig, TargetReader, read_table
 from bertforge.tokenizer.load import Tokenizer
 
@@ -25,7 +26,10 @@ def reader(read_targets: TargetReader) -> Callable[[str, TableConfig, Sequence[s
 
 
 def rows(table: Table, tokenizer: Tokenizer, cfg: TableConfig, limit: int) -> Table:
-    """The table with each row's text (and pair) encoded, truncated to `limit` tokens as data.truncation says."""
+    """The table with each row's text (and pair) encoded, truncated to `limit` tokens as data.truncation says; with
+    data.long_text='windows' a row per window of each text (data.long_text.windowed)."""
+    if cfg.long_text == "windows":
+        return long_text.windowed(table, tokenizer, cfg, limit)
     table.encs = tokenizer.encode_batch(table.texts, table.pairs, max_length=limit, truncation=cfg.truncation)
     return table
 

@@ -22,6 +22,7 @@ from bertforge.config import to_dict
 from bertforge.data.batching import epoch_batches, ladder
 from bertforge.data.folds import FoldsConfig, check_classes, fold_plan, folds_to_run
 from bertforge.data.labelled import Table, TableConfig
+from bertforge.data.long_text import record_of, records_of
 from bertforge.errors import UserError
 from bertforge.finetuning import TASKS
 from bertforge.model import dropout
@@ -100,9 +101,10 @@ def _setup(cfg: FinetuneConfig) -> tuple[Pretrained, Table, Table | None, list[i
     limit = min(cfg.data.max_length, pre.model.config.max_seq_len)
     table = task.rows(data, pre.tokenizer, cfg.data, limit)
     valid = None if valid_data is None else task.rows(valid_data, pre.tokenizer, cfg.data, limit)
-    folds = None if valid is not None else fold_plan(cfg.folds, table, task.strata)
+    # Folds are of the records as read, so that a text's windows stay in one and the folds do not depend on them.
+    folds = None if valid is not None else fold_plan(cfg.folds, records_of(table), task.strata)
     if folds is not None:
-        check_classes(table, folds, run)
+        check_classes(records_of(table), folds, run)
     return pre, table, valid, run, folds
 
 
@@ -221,11 +223,13 @@ def _folds(
             "max_length": job.limit,
             "truncation": cfg.data.truncation,
             "stride": cfg.data.stride,
+            "long_text": cfg.data.long_text,
+            "window_pool": cfg.data.window_pool,
             "folds": [] if folds is None else list(range(cfg.folds.k)),
         }
         runs.write_info(run_dir, "finetune", info)
         if folds is not None:
-            runs.write_folds(run_dir, table.row_ids(), folds)
+            runs.write_folds(run_dir, records_of(table).row_ids(), folds)
 
     results = []
     for f in run:
@@ -236,7 +240,8 @@ def _folds(
         if folds is None:
             train_rows, valid_rows = np.arange(len(table)), np.arange(len(valid))  # type: ignore[arg-type]
         else:
-            train_rows, valid_rows = np.flatnonzero(folds != f), np.flatnonzero(folds == f)
+            of_row = folds[record_of(table)]
+            train_rows, valid_rows = np.flatnonzero(of_row != f), np.flatnonzero(of_row == f)
         result = train_fold(job, f, train_rows, valid_rows, resume)
         print(f"fold {f}: {job.metric} {result['score']:.4f} in {result['seconds']:.0f} s", flush=True)
         results.append(result)
@@ -246,7 +251,7 @@ def _folds(
 
 def _summarise(cfg: FinetuneConfig, job: Job, results: list[dict[str, Any]]) -> dict[str, Any]:
     """oof.csv and summary.json from the folds' results."""
-    table = job.valid_table or job.table
+    table = records_of(job.valid_table or job.table)
     rows = np.concatenate([np.array(r["rows"], np.int64) for r in results])
     outputs = np.concatenate([np.array(r["outputs"], np.float32) for r in results])
     fold_of = np.concatenate([np.full(len(r["rows"]), r["fold"]) for r in results])

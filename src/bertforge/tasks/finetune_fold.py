@@ -21,6 +21,7 @@ from bertforge import hub, runs
 from bertforge.card import card_files
 from bertforge.data.batching import by_length, epoch_batches, pad_batch, padded_length
 from bertforge.data.labelled import Table
+from bertforge.data.long_text import outputs_of_records, record_of, records_of
 from bertforge.finetuning import FinetuneTask
 from bertforge.hub import HubConfig, Publisher
 from bertforge.model.hf import Pretrained, save_pretrained
@@ -171,7 +172,8 @@ class Fold:
     valid_rows: np.ndarray
     lengths: np.ndarray  # the training rows' token counts
     valid_encs: list[Encoded]
-    valid_targets: np.ndarray
+    valid_records: np.ndarray  # (D,) the records of the validation rows: the rows, or the texts of their windows
+    valid_targets: np.ndarray  # the records' targets
     per_epoch: int  # steps per epoch
     steps: int
     every: int  # steps between evaluations, and between checkpoints
@@ -204,6 +206,8 @@ def _plan(job: Job, fold: int, fold_dir: Path, train_rows: np.ndarray, valid_row
     """The fold's validation rows and its steps: train.epochs over the training rows, evaluated
     train.evals_per_epoch times an epoch."""
     per_epoch = math.ceil(len(train_rows) / job.train.batch_size)
+    valid = job.valid_table or job.table
+    records = np.unique(record_of(valid)[valid_rows])
     return Fold(
         number=fold,
         dir=fold_dir,
@@ -211,7 +215,8 @@ def _plan(job: Job, fold: int, fold_dir: Path, train_rows: np.ndarray, valid_row
         valid_rows=valid_rows,
         lengths=np.array([len(job.encs[i].ids) for i in train_rows]),
         valid_encs=[(job.valid_encs or job.encs)[i] for i in valid_rows],
-        valid_targets=(job.valid_table or job.table).targets[valid_rows],
+        valid_records=records,
+        valid_targets=records_of(valid).targets[records],
         per_epoch=per_epoch,
         steps=max(1, round(job.train.epochs * per_epoch)),
         every=max(1, per_epoch // job.train.evals_per_epoch),
@@ -265,9 +270,11 @@ def _train(job: Job, fold: Fold, state: TrainState, checkpoints: Checkpoints, st
 
 def _describe(job: Job, fold: Fold, start_step: int) -> str:
     """The line the fold's log starts with."""
+    texts = len(fold.valid_records)
     return (
-        f"fold {fold.number}: {len(fold.train_rows)} training rows, {len(fold.valid_rows)} validation rows; "
-        f"{fold.steps} steps of {job.train.batch_size} ({fold.per_epoch} per epoch), evaluating every "
+        f"fold {fold.number}: {len(fold.train_rows)} training rows, {len(fold.valid_rows)} validation rows"
+        + (f" (windows of {texts} texts); " if texts < len(fold.valid_rows) else "; ")
+        + f"{fold.steps} steps of {job.train.batch_size} ({fold.per_epoch} per epoch), evaluating every "
         f"{fold.every}; texts padded to "
         + (", ".join(map(str, job.rungs)) if job.rungs else f"multiples of {job.bucket}")
         + " tokens"
@@ -288,10 +295,11 @@ def _training_batches(job: Job, fold: Fold, first_step: int) -> Iterator[dict[st
 
 
 def _valid_outputs(job: Job, fold: Fold, params: Any) -> np.ndarray:
-    """The model's outputs on the fold's validation rows."""
+    """The model's outputs on the fold's validation records (a text's windows pooled)."""
     forward = lambda b: job.forward_jit(params, {k: global_array(b[k], job.mesh) for k in INPUTS})  # noqa: E731
     pad_id, size = job.pre.tokenizer.pad_id, job.train.eval_batch_size
-    return outputs_by_length(forward, fold.valid_encs, pad_id, size, job.limit, job.bucket, rungs=job.rungs)
+    outputs = outputs_by_length(forward, fold.valid_encs, pad_id, size, job.limit, job.bucket, rungs=job.rungs)
+    return outputs_of_records(job.valid_table or job.table, fold.valid_rows, outputs)[1]
 
 
 class Evaluations:
@@ -354,7 +362,7 @@ def _finish(job: Job, fold: Fold, state: TrainState, best: int, outputs: np.ndar
         "train_rows": len(fold.train_rows),
         "valid_rows": len(fold.valid_rows),
         "seconds": fold.seconds(),
-        "rows": [int(i) for i in fold.valid_rows],
+        "rows": [int(i) for i in fold.valid_records],
         "outputs": outputs.tolist(),
     }
     if jax.process_index() == 0:

@@ -15,6 +15,8 @@ from tqdm.auto import tqdm
 
 from bertforge.data import tabular
 from bertforge.data.batching import BUCKET, bucket_length, by_length, pad_batch, padded_length
+from bertforge.data.labelled import LONG_TEXTS, WINDOW_POOLS, LongTextMode, WindowPool
+from bertforge.data.long_text import pool, text_windows
 from bertforge.errors import UserError
 from bertforge.finetuning import task_of
 from bertforge.finetuning.tables import prediction_table
@@ -105,10 +107,19 @@ class PredictConfig:
     truncation: Truncation | None = None  # default: the fine-tuning run's, else 'head'
     quoted_tsv: bool = False  # a .tsv table written with CSV quoting; by default a TSV has none and '"' is text
     format: str = ""  # a token-classification model's input: conll, jsonl or json (default: from the file name)
+    # A text longer than max_length: truncate, or windows whose outputs are pooled (mean or max), overlapping by
+    # `stride` tokens (default: the fine-tuning run's, else truncate, mean and 32).
+    long_text: LongTextMode | None = None
+    window_pool: WindowPool | None = None
+    stride: int | None = None
 
     def __post_init__(self) -> None:
         if self.truncation is not None and self.truncation not in TRUNCATIONS:
             raise ValueError(f"truncation {self.truncation!r} is not one of {', '.join(TRUNCATIONS)}")
+        if self.long_text is not None and self.long_text not in LONG_TEXTS:
+            raise ValueError(f"long_text {self.long_text!r} is not one of {', '.join(LONG_TEXTS)}")
+        if self.window_pool is not None and self.window_pool not in WINDOW_POOLS:
+            raise ValueError(f"window_pool {self.window_pool!r} is not one of {', '.join(WINDOW_POOLS)}")
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {self.batch_size}")
 
@@ -149,6 +160,16 @@ def outputs_by_length(
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class LongText:
+    """What becomes of a text longer than the model's length at prediction (data.long_text and its options)."""
+
+    truncation: str = "head"
+    windows: bool = False  # windows overlapping by `stride` tokens instead of truncation, their outputs pooled
+    pool: str = "mean"
+    stride: int = 32
+
+
 def predict_outputs(
     models: Pretrained | Sequence[Pretrained],
     texts: Sequence[str],
@@ -157,10 +178,12 @@ def predict_outputs(
     max_length: int | None = None,
     truncation: str = "head",
     progress: bool = True,
+    long_text: LongText | None = None,
 ) -> np.ndarray:
     """(N, L) float32 outputs of a sequence model (values for regression, logits otherwise); of several models
-    (a fine-tuning run's folds), their mean."""
+    (a fine-tuning run's folds), their mean. `long_text`, when given, replaces `truncation`."""
     models = [models] if isinstance(models, Pretrained) else list(models)
+    how = long_text or LongText(truncation)
     outs = []
     bar = tqdm(total=len(models) * len(texts), desc="predict", unit="text", disable=not progress, file=sys.stderr)
     for pre in models:
@@ -168,15 +191,35 @@ def predict_outputs(
             raise UserError(f"{pre.folder}: not a sequence-classification model")
         cfg = pre.model.config
         limit = min(max_length or cfg.max_seq_len, cfg.max_seq_len)
-        encs = pre.tokenizer.encode_batch(texts, pairs, max_length=limit, truncation=truncation)
+        tok = pre.tokenizer
+        if how.windows:
+            encs, record = text_windows(tok, texts, pairs, limit, how.stride, how.truncation)
+        else:
+            encs, record = tok.encode_batch(texts, pairs, max_length=limit, truncation=how.truncation), None
         pre.model.eval()
         forward = lambda b, m=pre.model: _sequence_outputs(m, *(jnp.asarray(b[k]) for k in INPUTS))  # noqa: E731
-        outs.append(outputs_by_length(forward, encs, pre.tokenizer.pad_id, batch_size, limit, bar=bar))
+        if record is None:
+            outs.append(outputs_by_length(forward, encs, tok.pad_id, batch_size, limit, bar=bar))
+        else:  # the bar counts texts, not windows
+            outs.append(pool(outputs_by_length(forward, encs, tok.pad_id, batch_size, limit), record, how.pool)[1])
+            bar.update(len(texts))
     bar.close()
     return np.mean(outs, axis=0).astype(np.float32)
 
 
 INPUTS = ("input_ids", "attention_mask", "token_type_ids")
+
+
+def long_text_of(settings: dict[str, Any], given: dict[str, Any]) -> LongText:
+    """How a run treats long texts: each of `given` (truncation, long_text, window_pool, stride) that is not None,
+    else the fine-tuning run's (its run.json `settings`), else the defaults."""
+    value = lambda key, default: next((v for v in (given.get(key), settings.get(key)) if v is not None), default)  # noqa: E731
+    return LongText(
+        truncation=value("truncation", "head"),
+        windows=value("long_text", "truncate") == "windows",
+        pool=value("window_pool", "mean"),
+        stride=int(value("stride", 32)),
+    )
 
 
 def run_outputs(
@@ -187,11 +230,13 @@ def run_outputs(
     batch_size: int,
     max_length: int | None,
     truncation: str | None,
+    **given: Any,
 ) -> np.ndarray:
-    """predict_outputs of load_models' result: a fine-tuning run's length and truncation where none is given."""
+    """predict_outputs of load_models' result: a fine-tuning run's length and its treatment of long texts where
+    none is given (`given`: long_text, window_pool, stride)."""
     max_length = max_length or settings.get("max_length")
-    truncation = truncation or settings.get("truncation") or "head"
-    return predict_outputs(models, texts, pairs, batch_size, max_length, truncation)
+    how = long_text_of(settings, {"truncation": truncation, **given})
+    return predict_outputs(models, texts, pairs, batch_size, max_length, how.truncation, long_text=how)
 
 
 def predict_main(cfg: PredictConfig) -> Sized:
@@ -206,7 +251,8 @@ def predict_main(cfg: PredictConfig) -> Sized:
     pair_column = cfg.text_pair_column or settings.get("text_pair_column")
     texts = tabular.text_column(cfg.data, columns, rows, text_column)
     pairs = tabular.text_column(cfg.data, columns, rows, pair_column) if pair_column else None
-    outputs = run_outputs(models, settings, texts, pairs, cfg.batch_size, cfg.max_length, cfg.truncation)
+    given = {"long_text": cfg.long_text, "window_pool": cfg.window_pool, "stride": cfg.stride}
+    outputs = run_outputs(models, settings, texts, pairs, cfg.batch_size, cfg.max_length, cfg.truncation, **given)
     id_column = cfg.id_column or ("id" if "id" in columns else None)
     if id_column is not None and id_column not in columns:
         raise UserError(f"{cfg.data}: no column '{id_column}' (columns: {', '.join(columns)})")
