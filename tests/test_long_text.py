@@ -16,7 +16,7 @@ from bertforge.data.labelled import TableConfig
 from bertforge.data.long_text import pool, text_windows
 from bertforge.errors import UserError
 from bertforge.model.hf import load_pretrained
-from bertforge.tasks.infer import outputs_by_length
+from bertforge.tasks.model_outputs import forward_of, outputs_by_length
 from bertforge.tokenizer.load import Tokenizer
 
 WORDS = "the river city walked over a bridge into old town near water".split()
@@ -152,8 +152,7 @@ def test_windowed_folds_score_each_text_on_its_pooled_windows_and_predict_pools_
     encs, record = text_windows(pre.tokenizer, texts, None, limit=16, stride=4)
     assert len(encs) > 2 * len(texts)  # most texts are longer than one window
     pre.model.eval()
-    forward = lambda b: pre.model(b["input_ids"], b["attention_mask"], b["token_type_ids"])  # noqa: E731
-    windows_out = outputs_by_length(forward, encs, pre.tokenizer.pad_id, 16, 16)
+    windows_out = outputs_by_length(forward_of(pre.model), encs, pre.tokenizer.pad_id, 16, 16)
     expected = windows_out[record == 0].mean(0) if how == "mean" else windows_out[record == 0].max(0)
     _, pooled = pool(windows_out, record, how)
     np.testing.assert_allclose(pooled[0], expected, rtol=1e-6)

@@ -80,7 +80,7 @@ def entities(
     else:
         models, settings = load_models(str(model))
     docs = [Document(str(i), t, None, None, None) for i, t in enumerate(texts)]
-    found, _, _ = document_entities(models, settings, docs, max_length, batch_size, infer.outputs_by_length)
+    found, _, _ = document_entities(models, settings, docs, max_length, batch_size)
     return found
 
 

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+from scipy.special import softmax
 
 from bertforge.data import windows
 from bertforge.data.labelled import Table, TableConfig
@@ -176,20 +177,15 @@ def prediction_columns(
     names: Sequence[str], outputs: np.ndarray, beside_truth: bool
 ) -> tuple[list[str], list[list[Any]]]:
     """Each unit's tag and its probability."""
-    probs = _softmax(outputs)
+    probs = softmax(outputs, axis=-1)
     best = np.argmax(outputs, axis=-1)
     return ["tag", "score"], [[names[b], f"{p[b]:.7g}"] for b, p in zip(best, probs, strict=True)]
-
-
-def _softmax(x: np.ndarray) -> np.ndarray:
-    e = np.exp(x - x.max(axis=-1, keepdims=True))
-    return e / e.sum(axis=-1, keepdims=True)
 
 
 def entities(text: str, units: windows.Units, outputs: np.ndarray, names: Sequence[str]) -> list[dict[str, Any]]:
     """The entities a document's (U, L) unit outputs predict: character start and end, type, text, and score (the
     mean probability of its units' tags). A unit no token starts is predicted 'O'."""
-    probs = _softmax(outputs)
+    probs = softmax(outputs, axis=-1)
     best = np.argmax(outputs, axis=-1)
     covered = units.first_tokens() >= 0
     tags = [names[b] if c else "O" for b, c in zip(best, covered, strict=True)]

@@ -26,7 +26,7 @@ from bertforge.finetuning import FinetuneTask
 from bertforge.hub import HubConfig, Publisher
 from bertforge.model.hf import Pretrained, save_pretrained
 from bertforge.runtime.devices import fetch, global_array
-from bertforge.tasks.infer import INPUTS, outputs_by_length
+from bertforge.tasks.model_outputs import INPUTS, outputs_by_length
 from bertforge.tokenizer.load import Encoded
 from bertforge.train import loop, metrics
 from bertforge.train.checkpoint import Checkpoints

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from collections.abc import Callable, Sequence, Sized
+from collections.abc import Sequence, Sized
 from typing import Any
 
 import jax
@@ -14,7 +14,7 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from bertforge.data import tabular
-from bertforge.data.batching import BUCKET, bucket_length, by_length, pad_batch, padded_length
+from bertforge.data.batching import bucket_length, pad_batch
 from bertforge.data.labelled import LONG_TEXTS, WINDOW_POOLS, LongTextMode, WindowPool
 from bertforge.data.long_text import pool, text_windows
 from bertforge.errors import UserError
@@ -23,8 +23,9 @@ from bertforge.finetuning.tables import prediction_table
 from bertforge.model.heads import MaskedLM, SequenceClassifier, TokenClassifier
 from bertforge.model.hf import Pretrained
 from bertforge.model.load import load_model, load_models
+from bertforge.tasks.model_outputs import forward_of, outputs_by_length
 from bertforge.tasks.predict_tokens import predict_tokens
-from bertforge.tokenizer.load import TRUNCATIONS, Encoded, Tokenizer, Truncation
+from bertforge.tokenizer.load import TRUNCATIONS, Tokenizer, Truncation
 
 
 # ------------------------------------------------------------------------------------------------------ fill-mask
@@ -124,42 +125,6 @@ class PredictConfig:
             raise ValueError(f"batch_size must be at least 1, got {self.batch_size}")
 
 
-@nnx.jit
-def _sequence_outputs(model: SequenceClassifier, ids, mask, types):
-    return model(ids, mask, types)
-
-
-def outputs_by_length(
-    forward: Callable[[dict[str, Any]], Any],
-    encs: Sequence[Encoded],
-    pad_id: int,
-    batch_size: int,
-    limit: int,
-    bucket: int = BUCKET,
-    bar: Any = None,
-    rungs: tuple[int, ...] = (),
-) -> np.ndarray:
-    """forward(batch) -> (B, L) over all encodings, in input order; a token model's (B, T, L) as (N, limit, L).
-
-    Texts are sorted by length, longest first, and batched with little padding; every batch has `batch_size` rows
-    (the last is filled with padding rows), so a model compiles once per padded length: the shortest of `rungs`
-    that holds the batch, else a multiple of `bucket`. `bar`, a tqdm progress bar, advances by the texts done.
-    """
-    out: np.ndarray | None = None
-    for idx in by_length(np.array([len(e.ids) for e in encs]), batch_size):
-        chunk = [encs[i] for i in idx]
-        length = padded_length(max(len(e.ids) for e in chunk), limit, bucket, rungs)
-        batch = pad_batch(chunk, pad_id, length, batch_size)
-        values = np.asarray(forward(batch))[: len(idx)]
-        if out is None:  # token outputs (B, T, L) are kept at `limit` tokens, the rest zeros
-            out = np.zeros((len(encs), *((limit,) if values.ndim == 3 else ()), values.shape[-1]), np.float32)
-        out[idx, ...] = values if values.ndim == 2 else np.pad(values, ((0, 0), (0, limit - length), (0, 0)))
-        if bar is not None:
-            bar.update(len(idx))
-    assert out is not None
-    return out
-
-
 @dataclasses.dataclass(frozen=True)
 class LongText:
     """What becomes of a text longer than the model's length at prediction (data.long_text and its options)."""
@@ -197,7 +162,7 @@ def predict_outputs(
         else:
             encs, record = tok.encode_batch(texts, pairs, max_length=limit, truncation=how.truncation), None
         pre.model.eval()
-        forward = lambda b, m=pre.model: _sequence_outputs(m, *(jnp.asarray(b[k]) for k in INPUTS))  # noqa: E731
+        forward = forward_of(pre.model)
         if record is None:
             outs.append(outputs_by_length(forward, encs, tok.pad_id, batch_size, limit, bar=bar))
         else:  # the bar counts texts, not windows
@@ -205,9 +170,6 @@ def predict_outputs(
             bar.update(len(texts))
     bar.close()
     return np.mean(outs, axis=0).astype(np.float32)
-
-
-INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 
 
 def long_text_of(settings: dict[str, Any], given: dict[str, Any]) -> LongText:
@@ -243,7 +205,7 @@ def predict_main(cfg: PredictConfig) -> Sized:
     """Write cfg.out; returns the predictions (a row of outputs, or a token model's entities, per text)."""
     models, settings = load_models(cfg.model)
     if isinstance(models[0].model, TokenClassifier):
-        return predict_tokens(models, settings, cfg, outputs_by_length)
+        return predict_tokens(models, settings, cfg)
     columns, rows = tabular.read_table(cfg.data, quoted_tsv=cfg.quoted_tsv)
     if not rows:
         raise UserError(f"{cfg.data}: no rows")

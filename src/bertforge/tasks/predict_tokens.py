@@ -4,13 +4,11 @@ with their character offsets (JSONL), or for CoNLL input the same file with a pr
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import fsspec
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from bertforge.data import windows
 from bertforge.data.tagged import Document, data_format, read_documents
@@ -19,19 +17,11 @@ from bertforge.fileio import write_atomic_fs
 from bertforge.finetuning import tokens
 from bertforge.model.heads import TokenClassifier
 from bertforge.model.hf import Pretrained
-
-INPUTS = ("input_ids", "attention_mask", "token_type_ids")
-Outputs = Callable[..., np.ndarray]  # infer.outputs_by_length
-
-
-@nnx.jit
-def _token_outputs(model: TokenClassifier, ids, mask, types):
-    return model(ids, mask, types)
+from bertforge.tasks.model_outputs import forward_of, outputs_by_length
 
 
 def document_predictions(
-    models: Sequence[Pretrained], docs: Sequence[Document], limit: int, stride: int, batch_size: int,
-    outputs_by_length: Outputs,
+    models: Sequence[Pretrained], docs: Sequence[Document], limit: int, stride: int, batch_size: int
 ) -> tuple[list[np.ndarray], list[windows.Units]]:  # fmt: skip
     """Each document's (U, L) unit outputs, the mean of `models`' (a run's folds share one tokenizer), and its
     units."""
@@ -44,8 +34,7 @@ def document_predictions(
         if not isinstance(pre.model, TokenClassifier):
             raise UserError(f"{pre.folder}: not a token-classification model")
         pre.model.eval()
-        forward = lambda b, m=pre.model: _token_outputs(m, *(jnp.asarray(b[k]) for k in INPUTS))  # noqa: E731
-        out = outputs_by_length(forward, encs, tok.pad_id, batch_size, limit)
+        out = outputs_by_length(forward_of(pre.model), encs, tok.pad_id, batch_size, limit)
         total = out if total.size == 0 else total + out
     by_doc = tokens.document_outputs(wins, units, len(tok.template.prefix), total / len(models))
     return [by_doc[d] for d in range(len(docs))], units
@@ -58,25 +47,22 @@ def label_names(pre: Pretrained) -> list[str]:
 
 def document_entities(
     models: Sequence[Pretrained], settings: dict[str, Any], docs: Sequence[Document], max_length: int | None,
-    batch_size: int, outputs_by_length: Outputs,
+    batch_size: int,
 ) -> tuple[list[list[dict[str, Any]]], list[np.ndarray], list[windows.Units]]:  # fmt: skip
     """Each document's entities, (U, L) unit outputs and units; the run's length and stride where none is given."""
     max_seq_len = models[0].model.config.max_seq_len
     limit = min(max_length or settings.get("max_length") or max_seq_len, max_seq_len)
     stride = int(settings.get("stride", 32))
-    outputs, units = document_predictions(models, docs, limit, stride, batch_size, outputs_by_length)
+    outputs, units = document_predictions(models, docs, limit, stride, batch_size)
     names = label_names(models[0])
     found = [tokens.entities(d.text, u, o, names) for d, u, o in zip(docs, units, outputs, strict=True)]
     return found, outputs, units
 
 
-def predict_tokens(
-    models: Sequence[Pretrained], settings: dict[str, Any], cfg: Any, outputs_by_length: Outputs
-) -> list[list[dict[str, Any]]]:
+def predict_tokens(models: Sequence[Pretrained], settings: dict[str, Any], cfg: Any) -> list[list[dict[str, Any]]]:
     """Write cfg.out for cfg.data (infer.PredictConfig); returns each document's entities."""
     docs = read_documents(cfg.data, cfg.format, labelled=False)
-    found, outputs, units = document_entities(models, settings, docs, cfg.max_length, cfg.batch_size,
-                                              outputs_by_length)  # fmt: skip
+    found, outputs, units = document_entities(models, settings, docs, cfg.max_length, cfg.batch_size)
     if data_format(cfg.data, cfg.format) == "conll":
         text = _conll(docs, units, outputs, label_names(models[0]))
     else:

@@ -1,0 +1,57 @@
+"""A model's outputs over many encoded texts, batched by length so that each padded length compiles once: what
+evaluation during fine-tuning and every prediction share."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from bertforge.data.batching import BUCKET, by_length, pad_batch, padded_length
+from bertforge.tokenizer.load import Encoded
+
+INPUTS = ("input_ids", "attention_mask", "token_type_ids")  # a batch's keys that a model's forward takes
+
+
+@nnx.jit
+def _head_outputs(model: nnx.Module, ids, mask, types):
+    return model(ids, mask, types)
+
+
+def forward_of(model: nnx.Module) -> Callable[[dict[str, Any]], Any]:
+    """batch -> the outputs of a sequence or token model (put in eval mode by the caller), jitted."""
+    return lambda batch: _head_outputs(model, *(jnp.asarray(batch[k]) for k in INPUTS))
+
+
+def outputs_by_length(
+    forward: Callable[[dict[str, Any]], Any],
+    encs: Sequence[Encoded],
+    pad_id: int,
+    batch_size: int,
+    limit: int,
+    bucket: int = BUCKET,
+    bar: Any = None,
+    rungs: tuple[int, ...] = (),
+) -> np.ndarray:
+    """forward(batch) -> (B, L) over all encodings, in input order; a token model's (B, T, L) as (N, limit, L).
+
+    Texts are sorted by length, longest first, and batched with little padding; every batch has `batch_size` rows
+    (the last is filled with padding rows), so a model compiles once per padded length: the shortest of `rungs`
+    that holds the batch, else a multiple of `bucket`. `bar`, a tqdm progress bar, advances by the texts done.
+    """
+    out: np.ndarray | None = None
+    for idx in by_length(np.array([len(e.ids) for e in encs]), batch_size):
+        chunk = [encs[i] for i in idx]
+        length = padded_length(max(len(e.ids) for e in chunk), limit, bucket, rungs)
+        batch = pad_batch(chunk, pad_id, length, batch_size)
+        values = np.asarray(forward(batch))[: len(idx)]
+        if out is None:  # token outputs (B, T, L) are kept at `limit` tokens, the rest zeros
+            out = np.zeros((len(encs), *((limit,) if values.ndim == 3 else ()), values.shape[-1]), np.float32)
+        out[idx, ...] = values if values.ndim == 2 else np.pad(values, ((0, 0), (0, limit - length), (0, 0)))
+        if bar is not None:
+            bar.update(len(idx))
+    assert out is not None
+    return out
