@@ -363,6 +363,63 @@ def test_json_records_of_any_shape_as_token_classification_data(records, jsonl, 
     shutil.rmtree(tmp)
 
 
+# ------------------------------------------------------------------------------------------------------ questions
+def read_questions_or_named_error(path: Path, labelled: bool) -> None:
+    """Questions whose every answer slices out of its context, or one line naming the file."""
+    from bertforge.data.choices import read_choices
+    from bertforge.data.questions import read_questions
+    from bertforge.errors import UserError
+
+    try:
+        questions = read_questions(str(path), labelled=labelled)
+        assert questions and len({q.id for q in questions}) == len(questions)
+        for q in questions:
+            assert q.question.strip() and q.context.strip()
+            assert all(a.text and q.context[a.start : a.start + len(a.text)] == a.text for a in q.answers), q
+    except UserError as e:
+        assert str(e).startswith(f"{path}: ") and "\n" not in str(e), str(e)
+    try:
+        records = read_choices(str(path), labelled=labelled)
+        assert records and len({len(r.choices) for r in records}) == 1
+        for r in records:
+            assert len(r.choices) >= 2 and all(c.strip() for c in r.choices) and r.question.strip()
+            assert r.label is None or 0 <= r.label < len(r.choices)
+    except UserError as e:
+        assert str(e).startswith(f"{path}: ") and "\n" not in str(e), str(e)
+
+
+@given(data=st.binary(max_size=2000), name=st.sampled_from(["a.json", "a.jsonl", "a.csv"]), labelled=st.booleans())
+@example(data=b'{"data": [{"paragraphs": [{"context": "ab", "qas": [{"question": "q", "answers": 3}]}]}]}',
+         name="a.json", labelled=True)  # fmt: skip
+@example(data=b"question,choice0,choice1,label\nq,a,b,1.0\n", name="a.csv", labelled=True)
+def test_any_bytes_as_question_answering_and_multiple_choice_data(data, name, labelled, tally):
+    tally("hostile")
+    tmp = scratch()
+    (tmp / name).write_bytes(data)
+    read_questions_or_named_error(tmp / name, labelled)
+    shutil.rmtree(tmp)
+
+
+question_key = st.sampled_from(["id", "question", "context", "answer_text", "answer_start", "answers", "choices",
+                                "choice0", "choice1", "label", "is_impossible", "title"])  # fmt: skip
+question_record = st.dictionaries(question_key, json_value, max_size=7)
+
+
+@given(records=st.lists(question_record | json_value, max_size=5), jsonl=st.booleans(), labelled=st.booleans())
+@example(records=[{"question": "q", "context": "abc", "answer_text": "b", "answer_start": 1.5}], jsonl=True,
+         labelled=True)  # fmt: skip
+@example(records=[{"question": "q", "context": "abc", "answers": {"text": ["b"], "answer_start": [True]}}],
+         jsonl=False, labelled=True)  # fmt: skip
+def test_json_records_of_any_shape_as_questions_and_choices(records, jsonl, labelled, tally):
+    tally("hostile")
+    tmp = scratch()
+    path = tmp / ("a.jsonl" if jsonl else "a.json")
+    text = "".join(json.dumps(r) + "\n" for r in records) if jsonl else json.dumps(records)
+    path.write_text(text, encoding="utf-8")
+    read_questions_or_named_error(path, labelled)
+    shutil.rmtree(tmp)
+
+
 # ------------------------------------------------------------------------------------------------------ sizes
 @pytest.mark.slow
 def test_a_50_mb_line_and_a_million_tiny_documents(wordpiece_dir, tmp_path, capsys, tally):

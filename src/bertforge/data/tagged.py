@@ -76,7 +76,7 @@ def read_documents(path: str, fmt: str = "", labelled: bool = True) -> list[Docu
 
 
 # ----------------------------------------------------------------------------------------------------- reading
-def _read_text(path: str) -> str:
+def read_text(path: str) -> str:
     """The whole file as text (a leading BOM dropped); unreadable or non-UTF-8 bytes are named by line."""
     try:
         with fsspec.open(path, "rb", compression="infer") as fh:
@@ -102,7 +102,7 @@ def _jsonl_records(path: str) -> Iterator[tuple[str, dict]]:
 
 
 def _json_records(path: str) -> Iterator[tuple[str, Any]]:
-    text = _read_text(path)
+    text = read_text(path)
     if not text.strip():
         return
     try:
@@ -147,7 +147,7 @@ def _show(value: Any) -> str:
 def _conll_sentences(path: str) -> Iterator[list[tuple[int, list[str]]]]:
     """(line number, columns) of each sentence's lines: runs of lines between blank and -DOCSTART- lines."""
     sentence: list[tuple[int, list[str]]] = []
-    for lineno, line in enumerate(_read_text(path).split("\n"), 1):
+    for lineno, line in enumerate(read_text(path).split("\n"), 1):
         columns = _COLUMNS.split(line.strip(" \t\r"))
         if not line.strip() or columns[0] == "-DOCSTART-":
             if sentence:

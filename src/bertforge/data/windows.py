@@ -78,6 +78,19 @@ def window_ranges(n: int, capacity: int, stride: int) -> list[tuple[int, int]]:
     return [(s, min(s + capacity, n)) for s in starts]
 
 
+def overflow_ranges(n: int, capacity: int, stride: int) -> list[tuple[int, int]]:
+    """(start, end) token ranges as `tokenizers` cuts overflowing tokens: windows of `capacity` tokens, each starting
+    capacity - stride after the one before, the last holding what remains (extractive QA's windows, as run_qa
+    makes them)."""
+    if capacity < 1 or not 0 <= stride < capacity:
+        raise ValueError(f"a window of {capacity} tokens cannot overlap the next by {stride}")
+    ranges = [(0, min(capacity, n))]
+    while ranges[-1][1] < n:
+        start = ranges[-1][0] + capacity - stride
+        ranges.append((start, min(start + capacity, n)))
+    return ranges
+
+
 def owners(ranges: Sequence[tuple[int, int]], n: int) -> np.ndarray:
     """(n,) for each token, the window where it has the most context on both sides (the larger of its distances
     to the window's two ends, the nearer one counted); the first such window on a tie."""
