@@ -28,6 +28,7 @@ from bertforge.model.heads import (
     RtdHead,
     SequenceClassifier,
     SequenceHead,
+    SpanClassifier,
     TokenClassifier,
     TokenHead,
 )
@@ -55,8 +56,11 @@ class FamilyModule(Protocol):
 
     def token_head(self, cfg: ModelConfig, num_labels: int, rngs: nnx.Rngs) -> TokenHead: ...
 
+    def span_head(self, cfg: ModelConfig, rngs: nnx.Rngs) -> TokenHead: ...
+
     def key_table(self, cfg: ModelConfig, head: str) -> list[Row]:
-        """Every parameter of a model of `head` ('mlm', 'sequence' or 'token') with its Hugging Face name."""
+        """Every parameter of a model of `head` ('mlm', 'sequence', 'token' or 'span') with its Hugging Face
+        name."""
         ...
 
     def hf_fields(self, data: dict[str, Any], family: str, source: str) -> dict[str, Any]:
@@ -92,8 +96,10 @@ FAMILY_NAMES = tuple(FAMILIES)
 # Encoders that take segment_ids: rows packing several sequences, each attending within itself at its own positions.
 SEGMENT_FAMILIES = tuple(name for name, f in FAMILIES.items() if f.segments)
 MODEL_TYPES = {t: f.name for f in FAMILIES.values() for t in (f.name, *f.model_types)}  # config.json's -> family
-HEADS = ("mlm", "sequence", "token", "rtd")
-LABELLED = ("sequence", "token")  # the heads with labels: config.json's id2label, a fresh head under another one's
+HEADS = ("mlm", "sequence", "token", "span", "rtd")
+# The fine-tuning heads: config.json's id2label, and a fresh head when a checkpoint holds another of them.
+LABELLED = ("sequence", "token", "span")
+SPAN_LABELS = {0: "start", 1: "end"}  # a span head's two outputs
 family.install(FAMILIES.values())
 
 
@@ -107,8 +113,8 @@ def check_head(head: str) -> None:
 
 
 def build(cfg: ModelConfig, head: str = "mlm", num_labels: int = 1, seed: int = 0) -> Model:
-    """A freshly initialised model of cfg's architecture: head 'mlm', 'sequence', 'token' or 'rtd' (a
-    discriminator)."""
+    """A freshly initialised model of cfg's architecture: head 'mlm', 'sequence', 'token', 'span' (start and end
+    logits: `num_labels` is 2 whatever is given) or 'rtd' (a discriminator)."""
     check_head(head)
     arch = family_module(cfg)
     rngs = nnx.Rngs(params=seed, dropout=seed + 1)
@@ -119,6 +125,8 @@ def build(cfg: ModelConfig, head: str = "mlm", num_labels: int = 1, seed: int = 
         return Discriminator(cfg, encoder, RtdHead(cfg, rngs=rngs))
     if head == "token":
         return TokenClassifier(cfg, num_labels, encoder, arch.token_head(cfg, num_labels, rngs))
+    if head == "span":
+        return SpanClassifier(cfg, len(SPAN_LABELS), encoder, arch.span_head(cfg, rngs))
     return SequenceClassifier(cfg, num_labels, encoder, arch.sequence_head(cfg, num_labels, rngs))
 
 
@@ -175,6 +183,8 @@ def config_from_hf(data: dict[str, Any], source: str) -> tuple[ModelConfig, Head
         head = "sequence"
     elif any(a.endswith("ForTokenClassification") for a in names):
         head = "token"
+    elif any(a.endswith("ForQuestionAnswering") for a in names):
+        head = "span"
     id2label = {int(k): str(v) for k, v in (data.get("id2label") or {}).items()}
     num_labels = int(data.get("num_labels") or len(id2label) or 2)
     if not id2label:
@@ -183,14 +193,14 @@ def config_from_hf(data: dict[str, Any], source: str) -> tuple[ModelConfig, Head
 
 
 def config_to_hf(cfg: ModelConfig, head: str, id2label: dict[int, str] | None = None) -> dict[str, Any]:
-    """The config.json of a model of `head` ('mlm', 'sequence', 'token' or 'rtd'); runtime choices (dtype, remat,
-    attention) stay out of it."""
+    """The config.json of a model of `head` ('mlm', 'sequence', 'token', 'span' or 'rtd'); runtime choices (dtype,
+    remat, attention) stay out of it."""
     arch = family_module(cfg)
     out = {**arch.hf_config(cfg, "mlm" if head == "rtd" else head), "dtype": "float32"}
     if head == "rtd":
         out["architectures"] = [arch.RTD_ARCHITECTURE or f"{FAMILIES[cfg.family].hf_prefix}Model"]
     if head in LABELLED:
-        labels = id2label or {0: "LABEL_0"}
+        labels = SPAN_LABELS if head == "span" else id2label or {0: "LABEL_0"}
         out["id2label"] = {str(k): v for k, v in sorted(labels.items())}
         out["label2id"] = {v: k for k, v in sorted(labels.items())}
     if head == "sequence":

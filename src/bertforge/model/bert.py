@@ -213,6 +213,11 @@ def token_head(cfg: ModelConfig, num_labels: int, rngs: nnx.Rngs) -> TokenHead:
     return TokenHead(cfg, num_labels, rngs=rngs, rate=classifier_rate(cfg))
 
 
+def span_head(cfg: ModelConfig, rngs: nnx.Rngs) -> TokenHead:
+    # Bert/RobertaForQuestionAnswering: qa_outputs on each token, no dropout.
+    return TokenHead(cfg, 2, rngs=rngs, rate=0.0)
+
+
 # ------------------------------------------------------------------------------------------- Hugging Face names
 def encoder_rows(cfg: ModelConfig, p: str) -> list[Row]:
     """The embeddings' and layers' rows under the prefix `p` of *For* models ("bert", "roberta", "electra": the
@@ -239,7 +244,8 @@ def encoder_rows(cfg: ModelConfig, p: str) -> list[Row]:
 
 
 def key_table(cfg: ModelConfig, head: str) -> list[Row]:
-    """Every parameter of a bertforge model of `head` ('mlm', 'sequence' or 'token') with its Hugging Face name."""
+    """Every parameter of a bertforge model of `head` ('mlm', 'sequence', 'token' or 'span') with its Hugging Face
+    name."""
     prefix = lookup(cfg.family).hf_prefix
     if cfg.embed_dim != cfg.hidden_size:
         raise UserError(
@@ -259,6 +265,8 @@ def key_table(cfg: ModelConfig, head: str) -> list[Row]:
         rows += [Row("lm_head.bias", ("mlm", "bias"), False, True)]
     elif head == "token":  # *ForTokenClassification: no pooler
         rows += linear_rows("classifier", ("head", "out"), True)
+    elif head == "span":
+        rows += linear_rows("qa_outputs", ("head", "out"), True)
     elif cfg.family == "bert":
         rows += linear_rows("bert.pooler.dense", ("head", "dense"), True)
         rows += linear_rows("classifier", ("head", "out"), True)

@@ -195,9 +195,15 @@ def token_head(cfg: ModelConfig, num_labels: int, rngs: nnx.Rngs) -> TokenHead:
     return TokenHead(cfg, num_labels, rngs=rngs, rate=cfg.hidden_dropout)
 
 
+def span_head(cfg: ModelConfig, rngs: nnx.Rngs) -> TokenHead:
+    # DebertaV2ForQuestionAnswering: qa_outputs on each token, no dropout.
+    return TokenHead(cfg, 2, rngs=rngs, rate=0.0)
+
+
 # ------------------------------------------------------------------------------------------- Hugging Face names
 def key_table(cfg: ModelConfig, head: str) -> list[Row]:
-    """Every parameter of a bertforge model of `head` ('mlm', 'sequence' or 'token') with its Hugging Face name."""
+    """Every parameter of a bertforge model of `head` ('mlm', 'sequence', 'token' or 'span') with its Hugging Face
+    name."""
     enc, emb, e = ("encoder",), ("encoder", "embeddings"), "deberta.embeddings"
     tables = ["word"] + ["position"] * cfg.position_biased_input + ["token_type"] * bool(cfg.type_vocab_size)
     rows = [table_row(f"{e}.{name}_embeddings", (*emb, name)) for name in tables]
@@ -225,6 +231,8 @@ def key_table(cfg: ModelConfig, head: str) -> list[Row]:
         rows += linear_rows("cls.predictions.transform.dense", ("mlm", "dense"), True)
         rows += layernorm_rows("cls.predictions.transform.LayerNorm", ("mlm", "norm"), True)
         return [*rows, Row("cls.predictions.bias", ("mlm", "bias"), False, True)]
+    if head == "span":
+        return rows + linear_rows("qa_outputs", ("head", "out"), True)
     if head == "sequence":  # ContextPooler's dense, then the classifier; DebertaV2ForTokenClassification has no pooler
         rows += linear_rows("pooler.dense", ("head", "dense"), True)
     return rows + linear_rows("classifier", ("head", "out"), True)

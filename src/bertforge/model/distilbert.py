@@ -69,9 +69,15 @@ def token_head(cfg: ModelConfig, num_labels: int, rngs: nnx.Rngs) -> TokenHead:
     return TokenHead(cfg, num_labels, rngs=rngs, rate=cfg.hidden_dropout)
 
 
+def span_head(cfg: ModelConfig, rngs: nnx.Rngs) -> TokenHead:
+    # DistilBertForQuestionAnswering: dropout (config.qa_dropout, which defaults to the hidden rate), qa_outputs.
+    return TokenHead(cfg, 2, rngs=rngs, rate=cfg.hidden_dropout)
+
+
 # ------------------------------------------------------------------------------------------- Hugging Face names
 def key_table(cfg: ModelConfig, head: str) -> list[Row]:
-    """Every parameter of a bertforge model of `head` ('mlm', 'sequence' or 'token') with its Hugging Face name."""
+    """Every parameter of a bertforge model of `head` ('mlm', 'sequence', 'token' or 'span') with its Hugging Face
+    name."""
     emb = ("encoder", "embeddings")
     rows = [
         table_row(f"{PREFIX}.embeddings.word_embeddings", (*emb, "word")),
@@ -94,6 +100,8 @@ def key_table(cfg: ModelConfig, head: str) -> list[Row]:
         rows += [Row("vocab_projector.bias", ("mlm", "bias"), False, True)]
     elif head == "token":
         rows += linear_rows("classifier", ("head", "out"), True)
+    elif head == "span":
+        rows += linear_rows("qa_outputs", ("head", "out"), True)
     else:
         rows += linear_rows("pre_classifier", ("head", "dense"), True)
         rows += linear_rows("classifier", ("head", "out"), True)

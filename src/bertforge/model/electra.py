@@ -55,9 +55,15 @@ def token_head(cfg: ModelConfig, num_labels: int, rngs: nnx.Rngs) -> TokenHead:
     return TokenHead(cfg, num_labels, rngs=rngs, rate=classifier_rate(cfg))
 
 
+def span_head(cfg: ModelConfig, rngs: nnx.Rngs) -> TokenHead:
+    # ElectraForQuestionAnswering: qa_outputs on each token, no dropout.
+    return TokenHead(cfg, 2, rngs=rngs, rate=0.0)
+
+
 # ------------------------------------------------------------------------------------------- Hugging Face names
 def key_table(cfg: ModelConfig, head: str) -> list[Row]:
-    """Every parameter of a bertforge model of `head` ('mlm', 'sequence' or 'token') with its Hugging Face name."""
+    """Every parameter of a bertforge model of `head` ('mlm', 'sequence', 'token' or 'span') with its Hugging Face
+    name."""
     rows = bert.encoder_rows(cfg, PREFIX)
     if cfg.embed_dim != cfg.hidden_size:
         rows += linear_rows(f"{PREFIX}.embeddings_project", ("encoder", "embeddings", "project"))
@@ -67,6 +73,8 @@ def key_table(cfg: ModelConfig, head: str) -> list[Row]:
         rows += [Row("generator_lm_head.bias", ("mlm", "bias"), False, True)]
     elif head == "token":
         rows += linear_rows("classifier", ("head", "out"), True)
+    elif head == "span":
+        rows += linear_rows("qa_outputs", ("head", "out"), True)
     else:
         rows += linear_rows("classifier.dense", ("head", "dense"), True)
         rows += linear_rows("classifier.out_proj", ("head", "out"), True)

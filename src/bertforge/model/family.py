@@ -14,7 +14,12 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 # The suffix of each head's transformers class after a family's hf_prefix.
-HEAD_CLASSES = {"mlm": "ForMaskedLM", "sequence": "ForSequenceClassification", "token": "ForTokenClassification"}
+HEAD_CLASSES = {
+    "mlm": "ForMaskedLM",
+    "sequence": "ForSequenceClassification",
+    "token": "ForTokenClassification",
+    "span": "ForQuestionAnswering",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,7 +42,8 @@ class Family:
     num_params: Callable[[Any], int] | None = None
 
     def architecture(self, head: str) -> str:
-        """Its transformers class of a model of `head` ('mlm', 'sequence' or 'token'): BertForMaskedLM, ..."""
+        """Its transformers class of a model of `head` ('mlm', 'sequence', 'token' or 'span'): BertForMaskedLM,
+        ..."""
         return self.hf_prefix + HEAD_CLASSES[head]
 
     def apply(self, fields: dict[str, Any]) -> dict[str, Any]:

@@ -195,6 +195,13 @@ class TokenClassifier(Labelled):
         return self.head(self.encoder(input_ids, attention_mask, token_type_ids))
 
 
+class SpanClassifier(TokenClassifier):
+    """Extractive question answering: each token's start and end logits (B, T, 2), as transformers'
+    *ForQuestionAnswering computes them before splitting them."""
+
+    task = "span"
+
+
 class Discriminator(nnx.Module):
     """An encoder with the replaced-token detection head: ELECTRA's discriminator (ElectraForPreTraining)."""
 

@@ -40,7 +40,7 @@ from bertforge.tokenizer.load import Tokenizer
 
 PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
 HEAD_KINDS = {"mlm": "masked-LM", "sequence": "sequence-classification", "token": "token-classification",
-              "rtd": "replaced-token detection"}  # fmt: skip
+              "span": "question-answering", "rtd": "replaced-token detection"}  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------------ weights
@@ -290,8 +290,8 @@ def save_pretrained(
     id2label: dict[int, str] | None = None,
     extra_files: dict[str, str | bytes] | None = None,
 ) -> Path:
-    """Write a folder that transformers' AutoModelForMaskedLM, AutoModelForSequenceClassification or
-    AutoModelForTokenClassification (as the model's head) loads.
+    """Write a folder that transformers' AutoModelForMaskedLM, AutoModelForSequenceClassification,
+    AutoModelForTokenClassification or AutoModelForQuestionAnswering (as the model's head) loads.
 
     Files are written into a temporary folder and moved into place, so a crash never leaves a half-written export.
     Over an existing folder, its config.json goes first and the new one comes last: a folder caught in between has

@@ -110,7 +110,7 @@ def _from_run(
             nnx.update(model, nnx.state(pre.model, nnx.Param))
             pre = dataclasses.replace(pre, model=model)
         return pre
-    task = "token" if head == "token" else "sequence"
+    task = head
     if require_head:
         raise UserError(f"{pre.folder}: a pretraining run has a masked-LM head, not a {task} head")
     n = num_labels or 1

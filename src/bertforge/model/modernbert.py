@@ -178,6 +178,11 @@ def token_head(cfg: ModelConfig, num_labels: int, rngs: nnx.Rngs) -> TokenHead:
     return TokenHead(cfg, num_labels, rngs=rngs, rate=classifier_rate(cfg), transform=True)
 
 
+def span_head(cfg: ModelConfig, rngs: nnx.Rngs) -> TokenHead:
+    # ModernBertForQuestionAnswering: its token head with two outputs.
+    return token_head(cfg, 2, rngs)
+
+
 # ------------------------------------------------------------------------------------------- Hugging Face names
 def key_table(cfg: ModelConfig, head: str) -> list[Row]:
     """Every parameter of a bertforge ModernBERT of `head` ('mlm', 'sequence' or 'token') with its Hugging Face
@@ -201,7 +206,7 @@ def key_table(cfg: ModelConfig, head: str) -> list[Row]:
         rows += linear_rows("head.dense", ("mlm", "dense"), True, bias=cfg.classifier_bias)
         rows += layernorm_rows("head.norm", ("mlm", "norm"), True, bias=nb)
         rows += [Row("decoder.bias", ("mlm", "bias"), False, True)] if cfg.decoder_bias else []
-    else:  # the sequence and token heads name their parts alike
+    else:  # the sequence, token and span heads name their parts alike
         rows += linear_rows("head.dense", ("head", "dense"), True, bias=cfg.classifier_bias)
         rows += layernorm_rows("head.norm", ("head", "norm"), True, bias=nb)
         rows += linear_rows("classifier", ("head", "out"), True)

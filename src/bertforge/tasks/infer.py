@@ -20,7 +20,7 @@ from bertforge.data.long_text import pool, text_windows
 from bertforge.errors import UserError
 from bertforge.finetuning import task_of
 from bertforge.finetuning.tables import prediction_table
-from bertforge.model.heads import MaskedLM, SequenceClassifier, TokenClassifier
+from bertforge.model.heads import MaskedLM, SequenceClassifier, SpanClassifier, TokenClassifier
 from bertforge.model.hf import Pretrained
 from bertforge.model.load import load_model, load_models
 from bertforge.tasks.model_outputs import forward_of, outputs_by_length
@@ -204,6 +204,9 @@ def run_outputs(
 def predict_main(cfg: PredictConfig) -> Sized:
     """Write cfg.out; returns the predictions (a row of outputs, or a token model's entities, per text)."""
     models, settings = load_models(cfg.model)
+    if isinstance(models[0].model, SpanClassifier):
+        raise UserError(f"{cfg.model}: a question-answering model; `predict` writes a sequence or token model's "
+                        "predictions")  # fmt: skip
     if isinstance(models[0].model, TokenClassifier):
         return predict_tokens(models, settings, cfg)
     columns, rows = tabular.read_table(cfg.data, quoted_tsv=cfg.quoted_tsv)
