@@ -19,14 +19,15 @@ CARD = "README.md"
 CURVES = "curves.png"
 
 PIPELINES = {"mlm": "fill-mask", "sequence": "text-classification", "token": "token-classification",
-             "span": "question-answering", "rtd": "feature-extraction"}  # fmt: skip
+             "span": "question-answering", "choice": "multiple-choice", "rtd": "feature-extraction"}  # fmt: skip
 WHAT = {"mlm": "masked-language model", "sequence": "sequence-classification model",
         "token": "token-classification model", "span": "extractive question-answering model",
+        "choice": "multiple-choice model",
         "rtd": "replaced-token detection discriminator (fine-tune it with a task head)"}  # fmt: skip
 # A discriminator loads as its encoder everywhere; its detection head only in ElectraForPreTraining.
 AUTO = {"mlm": "AutoModelForMaskedLM", "sequence": "AutoModelForSequenceClassification",
         "token": "AutoModelForTokenClassification", "span": "AutoModelForQuestionAnswering",
-        "rtd": "AutoModel"}  # fmt: skip
+        "choice": "AutoModelForMultipleChoice", "rtd": "AutoModel"}  # fmt: skip
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.\-]*/[\w.\-]+")
 
 

@@ -21,6 +21,7 @@ from bertforge.model import bert, deberta, distilbert, electra, family, modernbe
 from bertforge.model.config import HeadInfo, ModelConfig
 from bertforge.model.family import Family
 from bertforge.model.heads import (
+    ChoiceClassifier,
     Discriminator,
     MaskedLM,
     MlmHead,
@@ -57,6 +58,8 @@ class FamilyModule(Protocol):
     def token_head(self, cfg: ModelConfig, num_labels: int, rngs: nnx.Rngs) -> TokenHead: ...
 
     def span_head(self, cfg: ModelConfig, rngs: nnx.Rngs) -> TokenHead: ...
+
+    def choice_head(self, cfg: ModelConfig, rngs: nnx.Rngs) -> SequenceHead: ...
 
     def key_table(self, cfg: ModelConfig, head: str) -> list[Row]:
         """Every parameter of a model of `head` ('mlm', 'sequence', 'token' or 'span') with its Hugging Face
@@ -96,10 +99,11 @@ FAMILY_NAMES = tuple(FAMILIES)
 # Encoders that take segment_ids: rows packing several sequences, each attending within itself at its own positions.
 SEGMENT_FAMILIES = tuple(name for name, f in FAMILIES.items() if f.segments)
 MODEL_TYPES = {t: f.name for f in FAMILIES.values() for t in (f.name, *f.model_types)}  # config.json's -> family
-HEADS = ("mlm", "sequence", "token", "span", "rtd")
+HEADS = ("mlm", "sequence", "token", "span", "choice", "rtd")
 # The fine-tuning heads: config.json's id2label, and a fresh head when a checkpoint holds another of them.
-LABELLED = ("sequence", "token", "span")
+LABELLED = ("sequence", "token", "span", "choice")
 SPAN_LABELS = {0: "start", 1: "end"}  # a span head's two outputs
+CHOICE_LABELS = {0: "score"}  # a choice head's one output per choice
 family.install(FAMILIES.values())
 
 
@@ -114,7 +118,8 @@ def check_head(head: str) -> None:
 
 def build(cfg: ModelConfig, head: str = "mlm", num_labels: int = 1, seed: int = 0) -> Model:
     """A freshly initialised model of cfg's architecture: head 'mlm', 'sequence', 'token', 'span' (start and end
-    logits: `num_labels` is 2 whatever is given) or 'rtd' (a discriminator)."""
+    logits), 'choice' (a score per choice) or 'rtd' (a discriminator). `num_labels` is the sequence and token
+    heads'."""
     check_head(head)
     arch = family_module(cfg)
     rngs = nnx.Rngs(params=seed, dropout=seed + 1)
@@ -127,6 +132,8 @@ def build(cfg: ModelConfig, head: str = "mlm", num_labels: int = 1, seed: int = 
         return TokenClassifier(cfg, num_labels, encoder, arch.token_head(cfg, num_labels, rngs))
     if head == "span":
         return SpanClassifier(cfg, len(SPAN_LABELS), encoder, arch.span_head(cfg, rngs))
+    if head == "choice":
+        return ChoiceClassifier(cfg, 1, encoder, arch.choice_head(cfg, rngs))
     return SequenceClassifier(cfg, num_labels, encoder, arch.sequence_head(cfg, num_labels, rngs))
 
 
@@ -144,7 +151,7 @@ def key_table(cfg: ModelConfig, head: str) -> list[Row]:
         rows = [row for row in arch.key_table(cfg, "mlm") if not row.head]
         return rows + (arch.rtd_rows(cfg) if arch.rtd_rows is not None else [])
     rows = arch.key_table(cfg, head)
-    if head == "sequence" and cfg.pooling == "attention":
+    if head in ("sequence", "choice") and cfg.pooling == "attention":
         # Not a transformers parameter: a bertforge folder with attention pooling is read back by bertforge.
         rows = [*rows, Row("bertforge_pooling.score", ("head", "score"), False, True)]
     return rows
@@ -185,6 +192,8 @@ def config_from_hf(data: dict[str, Any], source: str) -> tuple[ModelConfig, Head
         head = "token"
     elif any(a.endswith("ForQuestionAnswering") for a in names):
         head = "span"
+    elif any(a.endswith("ForMultipleChoice") for a in names):
+        head = "choice"
     id2label = {int(k): str(v) for k, v in (data.get("id2label") or {}).items()}
     num_labels = int(data.get("num_labels") or len(id2label) or 2)
     if not id2label:
@@ -200,12 +209,11 @@ def config_to_hf(cfg: ModelConfig, head: str, id2label: dict[int, str] | None = 
     if head == "rtd":
         out["architectures"] = [arch.RTD_ARCHITECTURE or f"{FAMILIES[cfg.family].hf_prefix}Model"]
     if head in LABELLED:
-        labels = SPAN_LABELS if head == "span" else id2label or {0: "LABEL_0"}
+        labels = {"span": SPAN_LABELS, "choice": CHOICE_LABELS}.get(head) or id2label or {0: "LABEL_0"}
         out["id2label"] = {str(k): v for k, v in sorted(labels.items())}
         out["label2id"] = {v: k for k, v in sorted(labels.items())}
-    if head == "sequence":
-        if len(labels) == 1:
-            out["problem_type"] = "regression"
-        if cfg.pooling not in arch.NATIVE_POOLINGS:
-            out["bertforge_pooling"] = cfg.pooling  # transformers' own head cannot pool this way
+    if head == "sequence" and len(labels) == 1:
+        out["problem_type"] = "regression"
+    if head in ("sequence", "choice") and cfg.pooling not in arch.NATIVE_POOLINGS:
+        out["bertforge_pooling"] = cfg.pooling  # transformers' own head cannot pool this way
     return out

@@ -218,6 +218,11 @@ def span_head(cfg: ModelConfig, rngs: nnx.Rngs) -> TokenHead:
     return TokenHead(cfg, 2, rngs=rngs, rate=0.0)
 
 
+def choice_head(cfg: ModelConfig, rngs: nnx.Rngs) -> SequenceHead:
+    # Bert/RobertaForMultipleChoice: the pooler (dense, tanh), dropout, a classifier of one output; RoBERTa's too.
+    return SequenceHead(cfg, 1, rngs=rngs)
+
+
 # ------------------------------------------------------------------------------------------- Hugging Face names
 def encoder_rows(cfg: ModelConfig, p: str) -> list[Row]:
     """The embeddings' and layers' rows under the prefix `p` of *For* models ("bert", "roberta", "electra": the
@@ -267,8 +272,8 @@ def key_table(cfg: ModelConfig, head: str) -> list[Row]:
         rows += linear_rows("classifier", ("head", "out"), True)
     elif head == "span":
         rows += linear_rows("qa_outputs", ("head", "out"), True)
-    elif cfg.family == "bert":
-        rows += linear_rows("bert.pooler.dense", ("head", "dense"), True)
+    elif cfg.family == "bert" or head == "choice":
+        rows += linear_rows(f"{cfg.family}.pooler.dense", ("head", "dense"), True)
         rows += linear_rows("classifier", ("head", "out"), True)
     else:
         rows += linear_rows("classifier.dense", ("head", "dense"), True)

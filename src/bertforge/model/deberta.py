@@ -200,6 +200,11 @@ def span_head(cfg: ModelConfig, rngs: nnx.Rngs) -> TokenHead:
     return TokenHead(cfg, 2, rngs=rngs, rate=0.0)
 
 
+def choice_head(cfg: ModelConfig, rngs: nnx.Rngs) -> SequenceHead:
+    # DebertaV2ForMultipleChoice: its sequence head (ContextPooler, dropout, classifier) with one output.
+    return sequence_head(cfg, 1, rngs)
+
+
 # ------------------------------------------------------------------------------------------- Hugging Face names
 def key_table(cfg: ModelConfig, head: str) -> list[Row]:
     """Every parameter of a bertforge model of `head` ('mlm', 'sequence', 'token' or 'span') with its Hugging Face
@@ -233,7 +238,8 @@ def key_table(cfg: ModelConfig, head: str) -> list[Row]:
         return [*rows, Row("cls.predictions.bias", ("mlm", "bias"), False, True)]
     if head == "span":
         return rows + linear_rows("qa_outputs", ("head", "out"), True)
-    if head == "sequence":  # ContextPooler's dense, then the classifier; DebertaV2ForTokenClassification has no pooler
+    # ContextPooler's dense, then the classifier (multiple choice: one output); the token and span heads have no pooler
+    if head in ("sequence", "choice"):
         rows += linear_rows("pooler.dense", ("head", "dense"), True)
     return rows + linear_rows("classifier", ("head", "out"), True)
 

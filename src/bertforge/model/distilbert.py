@@ -74,6 +74,11 @@ def span_head(cfg: ModelConfig, rngs: nnx.Rngs) -> TokenHead:
     return TokenHead(cfg, 2, rngs=rngs, rate=cfg.hidden_dropout)
 
 
+def choice_head(cfg: ModelConfig, rngs: nnx.Rngs) -> SequenceHead:
+    # DistilBertForMultipleChoice: its sequence head (pre_classifier, ReLU, dropout, classifier) with one output.
+    return sequence_head(cfg, 1, rngs)
+
+
 # ------------------------------------------------------------------------------------------- Hugging Face names
 def key_table(cfg: ModelConfig, head: str) -> list[Row]:
     """Every parameter of a bertforge model of `head` ('mlm', 'sequence', 'token' or 'span') with its Hugging Face

@@ -60,6 +60,12 @@ def span_head(cfg: ModelConfig, rngs: nnx.Rngs) -> TokenHead:
     return TokenHead(cfg, 2, rngs=rngs, rate=0.0)
 
 
+def choice_head(cfg: ModelConfig, rngs: nnx.Rngs) -> SequenceHead:
+    # ElectraForMultipleChoice: the sequence summary (the first token, a projection, GELU, dropout), a classifier of
+    # one output; no dropout before the projection (SUMMARY writes no summary_first_dropout).
+    return SequenceHead(cfg, 1, rngs=rngs)
+
+
 # ------------------------------------------------------------------------------------------- Hugging Face names
 def key_table(cfg: ModelConfig, head: str) -> list[Row]:
     """Every parameter of a bertforge model of `head` ('mlm', 'sequence', 'token' or 'span') with its Hugging Face
@@ -75,6 +81,9 @@ def key_table(cfg: ModelConfig, head: str) -> list[Row]:
         rows += linear_rows("classifier", ("head", "out"), True)
     elif head == "span":
         rows += linear_rows("qa_outputs", ("head", "out"), True)
+    elif head == "choice":
+        rows += linear_rows("sequence_summary.summary", ("head", "dense"), True)
+        rows += linear_rows("classifier", ("head", "out"), True)
     else:
         rows += linear_rows("classifier.dense", ("head", "dense"), True)
         rows += linear_rows("classifier.out_proj", ("head", "out"), True)

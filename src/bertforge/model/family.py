@@ -19,6 +19,7 @@ HEAD_CLASSES = {
     "sequence": "ForSequenceClassification",
     "token": "ForTokenClassification",
     "span": "ForQuestionAnswering",
+    "choice": "ForMultipleChoice",
 }
 
 

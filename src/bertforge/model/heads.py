@@ -202,6 +202,20 @@ class SpanClassifier(TokenClassifier):
     task = "span"
 
 
+class ChoiceClassifier(SequenceClassifier):
+    """Multiple choice: one score per (question, choice) pair, a sequence head with one output over each pair, as
+    transformers' *ForMultipleChoice computes it."""
+
+    task = "choice"
+
+    def __call__(self, input_ids: jax.Array, attention_mask: Ids = None, token_type_ids: Ids = None) -> jax.Array:
+        """(B, N, T) -> (B, N) float32 scores of each question's N choices."""
+        b, n, t = input_ids.shape
+        flat = lambda x: None if x is None else x.reshape(b * n, t)  # noqa: E731
+        scores = super().__call__(flat(input_ids), flat(attention_mask), flat(token_type_ids))  # (B * N, 1)
+        return scores.reshape(b, n)
+
+
 class Discriminator(nnx.Module):
     """An encoder with the replaced-token detection head: ELECTRA's discriminator (ElectraForPreTraining)."""
 

@@ -40,7 +40,7 @@ from bertforge.tokenizer.load import Tokenizer
 
 PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
 HEAD_KINDS = {"mlm": "masked-LM", "sequence": "sequence-classification", "token": "token-classification",
-              "span": "question-answering", "rtd": "replaced-token detection"}  # fmt: skip
+              "span": "question-answering", "choice": "multiple-choice", "rtd": "replaced-token detection"}  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------------ weights

@@ -183,6 +183,11 @@ def span_head(cfg: ModelConfig, rngs: nnx.Rngs) -> TokenHead:
     return token_head(cfg, 2, rngs)
 
 
+def choice_head(cfg: ModelConfig, rngs: nnx.Rngs) -> SequenceHead:
+    # ModernBertForMultipleChoice: its sequence head (classifier_pooling, head, drop, classifier) with one output.
+    return sequence_head(cfg, 1, rngs)
+
+
 # ------------------------------------------------------------------------------------------- Hugging Face names
 def key_table(cfg: ModelConfig, head: str) -> list[Row]:
     """Every parameter of a bertforge ModernBERT of `head` ('mlm', 'sequence' or 'token') with its Hugging Face

@@ -1,5 +1,6 @@
-"""The question-answering (span) head of every family against transformers' *ForQuestionAnswering: start and end
-logits, the head's dropout, weights through a round trip, and a fresh head over a masked-LM folder."""
+"""The question-answering (span) and multiple-choice heads of every family against transformers'
+*ForQuestionAnswering and *ForMultipleChoice: start and end logits, choice scores, the heads' dropout, weights
+through a round trip, and fresh heads over a masked-LM or sequence-classification folder."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 from safetensors.numpy import load_file
 from test_model_hf import TEXTS, batch_for, max_diff_on_tokens, run_ours
 from test_token_heads import CASES, params, reference
-from transformers import AutoModelForQuestionAnswering
+from transformers import AutoModelForMultipleChoice, AutoModelForQuestionAnswering
 
 from bertforge.card import AUTO, PIPELINES
 from bertforge.errors import UserError
@@ -84,5 +85,57 @@ def test_a_span_model_over_a_masked_lm_folder_has_its_encoder_and_a_fresh_head(f
         load_pretrained(folder, head="span", require_head=True, need_tokenizer=False)
 
 
-def test_the_card_names_the_question_answering_classes():
+def test_the_card_names_the_question_answering_and_multiple_choice_classes():
     assert (PIPELINES["span"], AUTO["span"]) == ("question-answering", "AutoModelForQuestionAnswering")
+    assert (PIPELINES["choice"], AUTO["choice"]) == ("multiple-choice", "AutoModelForMultipleChoice")
+
+
+# ------------------------------------------------------------------------------------------------ multiple choice
+def choice_batch(tok) -> dict[str, np.ndarray]:
+    """Two questions of two choices each, (2, 2, T): four texts of different lengths, padded."""
+    batch = batch_for(tok, [*TEXTS, "And one more text."])
+    return {k: v.reshape(2, 2, -1) for k, v in batch.items()}
+
+
+def torch_choices(model, batch) -> np.ndarray:
+    inputs = {k: torch.tensor(batch[k], dtype=torch.long) for k in ("input_ids", "attention_mask")}
+    with torch.no_grad():
+        return model.eval()(**inputs).logits.numpy()
+
+
+@pytest.mark.parametrize("family", CASES)
+def test_choice_scores_match_transformers_and_round_trip(family, request, tmp_path):
+    folder, tok = reference(family, "MultipleChoice", request, tmp_path / "hf")
+    cfg, info = config_from_hf(json.loads((folder / "config.json").read_text()), "config.json")
+    assert info.head == "choice"
+    assert sorted(row.hf for row in key_table(cfg, "choice")) == sorted(load_file(folder / "model.safetensors"))
+
+    pre = load_model(folder)
+    assert pre.head == "choice" and pre.missing_head == [] and pre.model.num_labels == 1
+    ref = AutoModelForMultipleChoice.from_pretrained(folder)
+    batch = choice_batch(tok)
+    ours = run_ours(pre.model, batch)
+    assert ours.shape == (2, 2) and ours.dtype == np.float32
+    np.testing.assert_allclose(ours, torch_choices(ref, batch), atol=1e-4)
+
+    out = save_pretrained(pre.model, tmp_path / "export", tok)
+    back = AutoModelForMultipleChoice.from_pretrained(out)
+    assert type(back).__name__ == f"{CASES[family].exported or CASES[family].prefix}ForMultipleChoice"
+    np.testing.assert_allclose(ours, torch_choices(back, batch), atol=1e-4)
+    again = load_model(out)
+    assert again.head == "choice" and again.missing_head == []
+    for path, value in params(pre.model).items():
+        np.testing.assert_array_equal(np.asarray(params(again.model)[path]), np.asarray(value), err_msg=str(path))
+
+
+@pytest.mark.parametrize("family", ["bert", "roberta"])
+def test_a_sequence_classifier_read_as_a_choice_model_keeps_its_pooler_and_gets_a_fresh_classifier(
+    family, request, tmp_path
+):
+    # BERT's pooler is the choice head's dense layer under the same name; the classifier (3 outputs) is not its.
+    folder, _ = reference(family, "SequenceClassification", request, tmp_path / "seq", num_labels=3)
+    pre = load_pretrained(folder, head="choice", seed=5, need_tokenizer=False)
+    fresh = {row.hf for row in key_table(pre.model.config, "choice") if row.head}
+    assert set(pre.missing_head) == fresh  # nothing of another labelled head is taken
+    with pytest.raises(UserError, match="has no multiple-choice head weights"):
+        load_pretrained(folder, head="choice", require_head=True, need_tokenizer=False)
