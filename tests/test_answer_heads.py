@@ -35,13 +35,19 @@ def span_dropout(model) -> float:
     return 0.0 if layer is None else layer.p
 
 
+def checked_reference(family: str, kind: str, head: str, request, tmp_path):
+    """A random transformers {prefix}For{kind} folder and its tokenizer, after checking that config.json is read as
+    `head` and that the key table names every parameter transformers saves, and only those."""
+    folder, tok = reference(family, kind, request, tmp_path / "hf")
+    cfg, info = config_from_hf(json.loads((folder / "config.json").read_text()), "config.json")
+    assert info.head == head
+    assert sorted(row.hf for row in key_table(cfg, head)) == sorted(load_file(folder / "model.safetensors"))
+    return folder, tok
+
+
 @pytest.mark.parametrize("family", CASES)
 def test_span_logits_match_transformers_and_round_trip(family, request, tmp_path):
-    folder, tok = reference(family, "QuestionAnswering", request, tmp_path / "hf")
-    cfg, info = config_from_hf(json.loads((folder / "config.json").read_text()), "config.json")
-    assert info.head == "span"
-    # The key table names every parameter transformers saves, and only those.
-    assert sorted(row.hf for row in key_table(cfg, "span")) == sorted(load_file(folder / "model.safetensors"))
+    folder, tok = checked_reference(family, "QuestionAnswering", "span", request, tmp_path)
 
     pre = load_model(folder)  # config.json names the head
     assert pre.head == "span" and pre.missing_head == [] and pre.model.num_labels == 2
@@ -105,10 +111,7 @@ def torch_choices(model, batch) -> np.ndarray:
 
 @pytest.mark.parametrize("family", CASES)
 def test_choice_scores_match_transformers_and_round_trip(family, request, tmp_path):
-    folder, tok = reference(family, "MultipleChoice", request, tmp_path / "hf")
-    cfg, info = config_from_hf(json.loads((folder / "config.json").read_text()), "config.json")
-    assert info.head == "choice"
-    assert sorted(row.hf for row in key_table(cfg, "choice")) == sorted(load_file(folder / "model.safetensors"))
+    folder, tok = checked_reference(family, "MultipleChoice", "choice", request, tmp_path)
 
     pre = load_model(folder)
     assert pre.head == "choice" and pre.missing_head == [] and pre.model.num_labels == 1

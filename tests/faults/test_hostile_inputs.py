@@ -355,12 +355,17 @@ tagged_record = st.dictionaries(tagged_key, json_value | st.lists(entity, max_si
          jsonl=False, labelled=True)  # fmt: skip
 def test_json_records_of_any_shape_as_token_classification_data(records, jsonl, labelled, tally):
     tally("hostile")
-    tmp = scratch()
-    path = tmp / ("a.jsonl" if jsonl else "a.json")
+    path = records_file(records, jsonl)
+    read_tagged_or_named_error(path, labelled)
+    shutil.rmtree(path.parent)
+
+
+def records_file(records: list, jsonl: bool) -> Path:
+    """The records as a JSONL file or a JSON list in a scratch folder."""
+    path = scratch() / ("a.jsonl" if jsonl else "a.json")
     text = "".join(json.dumps(r) + "\n" for r in records) if jsonl else json.dumps(records)
     path.write_text(text, encoding="utf-8")
-    read_tagged_or_named_error(path, labelled)
-    shutil.rmtree(tmp)
+    return path
 
 
 # ------------------------------------------------------------------------------------------------------ questions
@@ -412,12 +417,9 @@ question_record = st.dictionaries(question_key, json_value, max_size=7)
          jsonl=False, labelled=True)  # fmt: skip
 def test_json_records_of_any_shape_as_questions_and_choices(records, jsonl, labelled, tally):
     tally("hostile")
-    tmp = scratch()
-    path = tmp / ("a.jsonl" if jsonl else "a.json")
-    text = "".join(json.dumps(r) + "\n" for r in records) if jsonl else json.dumps(records)
-    path.write_text(text, encoding="utf-8")
+    path = records_file(records, jsonl)
     read_questions_or_named_error(path, labelled)
-    shutil.rmtree(tmp)
+    shutil.rmtree(path.parent)
 
 
 # ------------------------------------------------------------------------------------------------------ sizes
