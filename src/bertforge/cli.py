@@ -158,7 +158,7 @@ def _demo(cfg: Any, args: argparse.Namespace) -> int:
 # The data section's keys that fine-tuning takes as --key-name flags too.
 _DATA_FLAGS = ("text_column", "text_pair_column", "id_column", "group_column", "error_column", "max_length",
                "truncation", "quoted_tsv", "tag_scheme", "label_all_tokens", "stride", "long_text",
-               "window_pool")  # fmt: skip
+               "window_pool", "max_question_length", "max_answer_length")  # fmt: skip
 
 GROUPS = {"tokenizer": "train a tokenizer"}
 COMMANDS: dict[str, Command] = {

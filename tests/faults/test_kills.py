@@ -206,28 +206,53 @@ def test_finetune_killed_at_a_random_moment(model_dir, finetune_reference, tmp_p
     assert got == {k: finetune_reference[k] for k in got}
 
 
+def task_reference(model_dir: Path, root: Path, data: Path, *extra: str) -> dict:
+    """A fine-tuning run of another task to its end, uninterrupted: its command, time and outputs."""
+    args = [*finetune_args(model_dir, data, root / "run"), *extra]
+    started = time.perf_counter()
+    run_ok(bertforge(*args))
+    return {"args": args, "seconds": time.perf_counter() - started, **finetune_outputs(root / "run")}
+
+
+def killed_like(reference: dict, run: Path, fraction: float) -> dict:
+    """The reference's command into `run`, killed at `fraction` of the reference's time and run again to its end:
+    its outputs."""
+    out = reference["args"][reference["args"].index("--out") + 1]
+    kill_then_rerun([str(run) if a == out else a for a in reference["args"]], fraction * reference["seconds"])
+    return finetune_outputs(run)
+
+
 @pytest.fixture(scope="module")
 def token_reference(model_dir, tmp_path_factory) -> dict:
     from test_token_classification import tagged_sentences, write_jsonl
 
     root = tmp_path_factory.mktemp("tokens")
     data = write_jsonl(root / "train.jsonl", tagged_sentences(64, seed=5))
-    args = [*finetune_args(model_dir, data, root / "run"), "--task", "token-classification", "--max-length", "16"]
-    started = time.perf_counter()
-    run_ok(bertforge(*args))
-    return {"args": args, "seconds": time.perf_counter() - started, **finetune_outputs(root / "run")}
+    return task_reference(model_dir, root, data, "--task", "token-classification", "--max-length", "16")
 
 
 @pytest.mark.parametrize("seed", seeds(fast=0))
 def test_token_classification_killed_at_a_random_moment(model_dir, token_reference, tmp_path, tally, seed):
     tally("kill")
-    run = tmp_path / "run"
-    args = [str(run) if a == token_reference["args"][token_reference["args"].index("--out") + 1] else a
-            for a in token_reference["args"]]  # fmt: skip
-    fraction = rng("tokens", seed).uniform(0.2, 0.6)  # the reference ran cold: the runs here load its programs
-    kill_then_rerun(args, fraction * token_reference["seconds"])
-    got = finetune_outputs(run)
+    # The reference ran cold: the runs here load its programs, so the kill comes earlier in their time.
+    got = killed_like(token_reference, tmp_path / "run", rng("tokens", seed).uniform(0.2, 0.6))
     assert got == {k: token_reference[k] for k in got}
+
+
+@pytest.fixture(scope="module")
+def qa_reference(model_dir, tmp_path_factory) -> dict:
+    from test_question_answering import _squad
+
+    root = tmp_path_factory.mktemp("questions")
+    data = _squad(root / "train.json", 32, seed=5)
+    return task_reference(model_dir, root, data, "--task", "question-answering", "--max-length", "32", "--stride", "8")
+
+
+@pytest.mark.parametrize("seed", seeds(fast=0))
+def test_question_answering_killed_at_a_random_moment(model_dir, qa_reference, tmp_path, tally, seed):
+    tally("kill")
+    got = killed_like(qa_reference, tmp_path / "run", rng("questions", seed).uniform(0.2, 0.6))
+    assert got == {k: qa_reference[k] for k in got}
 
 
 # ------------------------------------------------------------------------------------------------------ preprocess

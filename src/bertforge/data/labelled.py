@@ -49,6 +49,11 @@ class TableConfig:
     # into windows overlapping by `stride` tokens whose outputs are pooled (window_pool: mean or max).
     long_text: LongTextMode = "truncate"
     window_pool: WindowPool = "mean"
+    # Question answering: the question's tokens kept in each window (the rest cut), the longest answer in tokens,
+    # and by how much the null answer must beat the best span when the data has questions without one (v2.0).
+    max_question_length: int = 64
+    max_answer_length: int = 30
+    null_threshold: float = 0.0
 
     def __post_init__(self) -> None:
         if self.truncation not in TRUNCATIONS:
@@ -63,6 +68,8 @@ class TableConfig:
             raise ValueError(f"window_pool {self.window_pool!r} is not one of {', '.join(WINDOW_POOLS)}")
         if self.stride < 0:
             raise ValueError(f"stride must be at least 0, got {self.stride}")
+        if self.max_question_length < 1 or self.max_answer_length < 1:
+            raise ValueError("max_question_length and max_answer_length must be at least 1")
         if self.max_length < 2 or self.bucket < 0 or self.shapes < 0 or self.pool < 1:
             raise ValueError("max_length must be at least 2, bucket and shapes at least 0, pool at least 1")
 

@@ -1,5 +1,5 @@
-"""Fine-tuning tasks: what differs between regression, classification, multi-label and token classification, one
-module each.
+"""Fine-tuning tasks: what differs between regression, classification, multi-label, token classification and
+question answering, one module each.
 
 A task module declares, as module-level names, what `FinetuneTask` lists: how its data is read and made into the
 model's rows, how folds are stratified, its head and outputs, its losses and metric, and how its predictions are
@@ -15,7 +15,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from bertforge.data.labelled import Table, TableConfig
-from bertforge.finetuning import classification, multilabel, regression, tokens
+from bertforge.finetuning import classification, multilabel, questions, regression, tokens
 from bertforge.tokenizer.load import Tokenizer
 
 
@@ -49,8 +49,15 @@ class FinetuneTask(Protocol):
         """The stratum of every row that folds are balanced over (folds.bins for a binned target), or None."""
         ...
 
-    def scores(self, outputs: np.ndarray, targets: np.ndarray, names: Sequence[str]) -> dict[str, float]:
-        """Its metrics of (N, L) outputs (a token task's (N, T, L)) against the targets; `names`: the outputs'."""
+    def scores(
+        self, outputs: np.ndarray, targets: np.ndarray, names: Sequence[str], source: Any = None
+    ) -> dict[str, float]:
+        """Its metrics of (N, L) outputs (a token task's (N, T, L)) against the targets; `names`: the outputs',
+        `source`: the table's (Table.source), which a task whose rows are windows reads."""
+        ...
+
+    def run_info(self, table: Table, cfg: TableConfig) -> dict[str, Any]:
+        """What run.json records beyond the common keys, for `predict` to use as the run did."""
         ...
 
     def column_names(self, labels: list[str], run: dict[str, Any]) -> list[str]:
@@ -82,6 +89,7 @@ TASKS: dict[str, FinetuneTask] = {
     classification.NAME: classification,
     multilabel.NAME: multilabel,
     tokens.NAME: tokens,
+    questions.NAME: questions,
 }
 
 

@@ -55,7 +55,7 @@ def strata(table: Table, bins: int) -> np.ndarray | None:
     return table.targets
 
 
-def scores(outputs: np.ndarray, targets: np.ndarray, names: Sequence[str]) -> dict[str, float]:
+def scores(outputs: np.ndarray, targets: np.ndarray, names: Sequence[str], source: Any = None) -> dict[str, float]:
     return metrics.classification(outputs, targets)
 
 
@@ -80,6 +80,7 @@ def prediction_columns(
 
 read = tables.reader(read_targets)
 rows = tables.rows
+run_info = tables.run_info
 
 
 def out_of_fold(table: Table, cfg: TableConfig, names: Sequence[str], rows: np.ndarray, outputs: np.ndarray,

@@ -46,7 +46,7 @@ def strata(table: Table, bins: int) -> np.ndarray | None:
     return None
 
 
-def scores(outputs: np.ndarray, targets: np.ndarray, names: Sequence[str]) -> dict[str, float]:
+def scores(outputs: np.ndarray, targets: np.ndarray, names: Sequence[str], source: Any = None) -> dict[str, float]:
     return metrics.multilabel(outputs, targets)
 
 
@@ -70,6 +70,7 @@ def prediction_columns(
 
 read = tables.reader(read_targets)
 rows = tables.rows
+run_info = tables.run_info
 
 
 def out_of_fold(table: Table, cfg: TableConfig, names: Sequence[str], rows: np.ndarray, outputs: np.ndarray,

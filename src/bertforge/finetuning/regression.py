@@ -46,7 +46,7 @@ def strata(table: Table, bins: int) -> np.ndarray | None:
     return bin_targets(table.targets[:, 0], bins or sturges_bins(len(table)))
 
 
-def scores(outputs: np.ndarray, targets: np.ndarray, names: Sequence[str]) -> dict[str, float]:
+def scores(outputs: np.ndarray, targets: np.ndarray, names: Sequence[str], source: Any = None) -> dict[str, float]:
     return metrics.regression(outputs, targets)
 
 
@@ -69,6 +69,7 @@ def prediction_columns(
 
 read = tables.reader(read_targets)
 rows = tables.rows
+run_info = tables.run_info
 
 
 def out_of_fold(table: Table, cfg: TableConfig, names: Sequence[str], rows: np.ndarray, outputs: np.ndarray,

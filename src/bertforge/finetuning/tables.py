@@ -34,6 +34,11 @@ def rows(table: Table, tokenizer: Tokenizer, cfg: TableConfig, limit: int) -> Ta
     return table
 
 
+def run_info(table: Table, cfg: TableConfig) -> dict[str, Any]:
+    """A sequence task records nothing beyond run.json's common keys."""
+    return {}
+
+
 def prediction_table(
     columns: PredictionColumns,
     names: Sequence[str],

@@ -148,6 +148,10 @@ def rows(data: Tagged, tokenizer: Tokenizer, cfg: TableConfig, limit: int) -> Ta
     )
 
 
+def run_info(table: Table, cfg: TableConfig) -> dict[str, Any]:
+    return {}
+
+
 def strata(table: Table, bins: int) -> np.ndarray | None:
     return None
 
@@ -162,7 +166,7 @@ def _sequences(outputs: np.ndarray, targets: np.ndarray, names: Sequence[str]) -
     return [list(x) for x in np.split(true, cuts)], [list(x) for x in np.split(pred, cuts)]
 
 
-def scores(outputs: np.ndarray, targets: np.ndarray, names: Sequence[str]) -> dict[str, float]:
+def scores(outputs: np.ndarray, targets: np.ndarray, names: Sequence[str], source: Any = None) -> dict[str, float]:
     """Entity-level precision, recall and F1 (micro and per type) and token accuracy, over the documents' units."""
     if not np.any(targets[..., 1] >= 0):  # no word to score (texts the tokenizer makes no tokens of)
         return {"f1": 0.0, "precision": 0.0, "recall": 0.0, "accuracy": 0.0}

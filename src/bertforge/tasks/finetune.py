@@ -226,6 +226,7 @@ def _folds(
             "long_text": cfg.data.long_text,
             "window_pool": cfg.data.window_pool,
             "folds": [] if folds is None else list(range(cfg.folds.k)),
+            **job.task.run_info(table, cfg.data),
         }
         runs.write_info(run_dir, "finetune", info)
         if folds is not None:

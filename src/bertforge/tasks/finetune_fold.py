@@ -127,8 +127,9 @@ def _batch(job: Job, rows: np.ndarray, length: int) -> dict[str, np.ndarray]:
 
 
 def scores(job: Job, outputs: np.ndarray, targets: np.ndarray) -> dict[str, float]:
-    """The task's metrics and the loss of `outputs` against `targets`."""
-    found = job.task.scores(outputs, targets, [job.pre.id2label[i] for i in range(len(job.pre.id2label))])
+    """The task's metrics and the loss of `outputs` against `targets` (of the validation table's rows)."""
+    names = [job.pre.id2label[i] for i in range(len(job.pre.id2label))]
+    found = job.task.scores(outputs, targets, names, (job.valid_table or job.table).source)
     found["loss"] = float(_mean_loss(outputs, targets, job.loss))
     return found
 

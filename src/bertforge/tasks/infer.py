@@ -24,6 +24,7 @@ from bertforge.model.heads import MaskedLM, SequenceClassifier, SpanClassifier, 
 from bertforge.model.hf import Pretrained
 from bertforge.model.load import load_model, load_models
 from bertforge.tasks.model_outputs import forward_of, outputs_by_length
+from bertforge.tasks.predict_questions import predict_questions
 from bertforge.tasks.predict_tokens import predict_tokens
 from bertforge.tokenizer.load import TRUNCATIONS, Tokenizer, Truncation
 
@@ -98,8 +99,8 @@ def fill_mask_main(cfg: FillMaskConfig) -> list[list[list[dict[str, Any]]]]:
 @dataclasses.dataclass(frozen=True)
 class PredictConfig:
     model: str  # a fine-tuning run (its folds averaged) or a model folder
-    data: str  # CSV, TSV or JSONL; for a token-classification model CoNLL, JSONL or JSON
-    out: str  # CSV to write; for a token-classification model JSONL (CoNLL for CoNLL input)
+    data: str  # CSV, TSV or JSONL; token classification: CoNLL, JSONL or JSON; QA: SQuAD JSON or question records
+    out: str  # CSV to write; for a token-classification model JSONL (CoNLL for CoNLL input); QA: CSV or JSONL
     text_column: str | None = None  # default: the fine-tuning run's, else 'text'
     text_pair_column: str | None = None
     id_column: str | None = None  # kept in the output; 'id' is kept when present and this is unset
@@ -108,6 +109,7 @@ class PredictConfig:
     truncation: Truncation | None = None  # default: the fine-tuning run's, else 'head'
     quoted_tsv: bool = False  # a .tsv table written with CSV quoting; by default a TSV has none and '"' is text
     format: str = ""  # a token-classification model's input: conll, jsonl or json (default: from the file name)
+    n_best: int = 1  # a question-answering model's answers per question (a JSONL out lists them)
     # A text longer than max_length: truncate, or windows whose outputs are pooled (mean or max), overlapping by
     # `stride` tokens (default: the fine-tuning run's, else truncate, mean and 32).
     long_text: LongTextMode | None = None
@@ -205,8 +207,7 @@ def predict_main(cfg: PredictConfig) -> Sized:
     """Write cfg.out; returns the predictions (a row of outputs, or a token model's entities, per text)."""
     models, settings = load_models(cfg.model)
     if isinstance(models[0].model, SpanClassifier):
-        raise UserError(f"{cfg.model}: a question-answering model; `predict` writes a sequence or token model's "
-                        "predictions")  # fmt: skip
+        return predict_questions(models, settings, cfg)
     if isinstance(models[0].model, TokenClassifier):
         return predict_tokens(models, settings, cfg)
     columns, rows = tabular.read_table(cfg.data, quoted_tsv=cfg.quoted_tsv)

@@ -66,13 +66,13 @@ def predict_tokens(models: Sequence[Pretrained], settings: dict[str, Any], cfg: 
     if data_format(cfg.data, cfg.format) == "conll":
         text = _conll(docs, units, outputs, label_names(models[0]))
     else:
-        text = "".join(_line({"id": d.id, "entities": e}) for d, e in zip(docs, found, strict=True))
+        text = "".join(json_line({"id": d.id, "entities": e}) for d, e in zip(docs, found, strict=True))
     fs, path = fsspec.core.url_to_fs(cfg.out)
     write_atomic_fs(fs, path, text.encode("utf-8"))
     return found
 
 
-def _line(record: dict[str, Any]) -> str:
+def json_line(record: dict[str, Any]) -> str:
     """A JSON line, with the characters that some readers take as line ends (str.splitlines) escaped."""
     line = json.dumps(record, ensure_ascii=False)
     return line.replace("\x85", "\\u0085").replace("\u2028", "\\u2028").replace("\u2029", "\\u2029") + "\n"

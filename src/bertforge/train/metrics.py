@@ -13,6 +13,7 @@ HIGHER_IS_BETTER = {
     "spearman": True,
     "accuracy": True,
     "f1": True,
+    "exact_match": True,
     "auc": True,
     "loss": False,
 }

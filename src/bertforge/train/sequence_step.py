@@ -77,6 +77,18 @@ def token_cross_entropy(outputs: jax.Array, targets: jax.Array) -> jax.Array:
     return jnp.sum(jnp.where(labelled, ce, 0.0), axis=-1)
 
 
+@register_loss("span_cross_entropy")
+def span_cross_entropy(outputs: jax.Array, targets: jax.Array) -> jax.Array:
+    """outputs (B, T, 2) start and end logits, targets (B, 4): the answer's first and last token, the row, and its
+    number of tokens, past which no position is a candidate. The mean of the two cross-entropies, as
+    transformers' *ForQuestionAnswering computes its loss."""
+    real = jnp.arange(outputs.shape[1])[None, :] < targets[:, 3:4]  # (B, T)
+    logits = jnp.where(real[..., None], outputs, -1e9)
+    start = optax.softmax_cross_entropy_with_integer_labels(logits[..., 0], targets[:, 0])
+    end = optax.softmax_cross_entropy_with_integer_labels(logits[..., 1], targets[:, 1])
+    return (start + end) / 2
+
+
 def loss_count(loss: str, targets: jax.Array, weight: jax.Array) -> jax.Array:
     """What a batch's weighted loss sum is averaged over: its real rows (weight > 0), or for a per-token loss their
     labelled tokens; at least 1."""
