@@ -208,7 +208,7 @@ MALFORMED = [
     ("a.json", json.dumps([WORD, WORD | {"tags": ["O", "B"]}]), True, "record 2: tag 2: the tag 'B' has no entity"),
     ("a.json", json.dumps([SPAN, ent(span=[0, 99])]), True, "record 2: entity 1: the span [0, 99] is not within"),
     ("a.json", "[" * 100_000, True, "its JSON nests too deeply to read"),
-    ("a.jsonl", jsonl(WORD) + "[" * 100_000, True, "the JSON after line 1 nests too deeply to read"),
+    ("a.jsonl", jsonl(WORD) + "[" * 100_000, True, "line 2 nests too deeply to read"),
     ("a.json", jsonl(WORD, WORD), True, "line 2 is not valid JSON (Extra data); a file of one object per line is"),
 ]
 

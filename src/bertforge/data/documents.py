@@ -104,6 +104,8 @@ def iter_jsonl(path: str) -> Iterator[tuple[int, dict]]:
             row = json.loads(line)
         except json.JSONDecodeError:
             raise UserError(f"{path}: line {lineno} is not valid JSON") from None
+        except RecursionError:
+            raise UserError(f"{path}: line {lineno} nests too deeply to read") from None
         if not isinstance(row, dict):
             raise UserError(f"{path}: line {lineno} is not a JSON object")
         yield lineno, row

@@ -93,12 +93,8 @@ def read_text(path: str) -> str:
 
 
 def _jsonl_records(path: str) -> Iterator[tuple[str, dict]]:
-    last = 0  # the last line read, to place a line whose nesting is too deep for the JSON parser
-    try:
-        for last, row in iter_jsonl(path):
-            yield f"line {last}", row
-    except RecursionError:
-        raise UserError(f"{path}: the JSON after line {last} nests too deeply to read") from None
+    for lineno, row in iter_jsonl(path):
+        yield f"line {lineno}", row
 
 
 def _json_records(path: str) -> Iterator[tuple[str, Any]]:
