@@ -248,6 +248,8 @@ def test_python_api_returns_what_the_cli_writes(wordpiece_dir, tmp_path, capsys)
     assert len(bertforge.fill_mask(str(mlm), "the [MASK] city", top_k=2)[0][0]) == 2
 
 
+# A long run: `make demo` runs the demo itself, and this shortened one is in the slow set.
+@pytest.mark.slow
 def test_shortened_demo_runs_end_to_end(wordpiece_dir, tmp_path, capsys):
     compare = save_hf_model(BertForMaskedLM, "bert", wordpiece_dir, tmp_path / "compare")
     out_dir = tmp_path / "demo"

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from flax import nnx
 
 from bertforge.model.architectures import build
@@ -126,6 +127,8 @@ def test_a_checkpoint_carries_the_scale_and_the_run_resumes_bit_identical(tmp_pa
     assert all(jax.tree.leaves(same))
 
 
+# A long run: the float16 step against float32 is checked in CI above; learning is the slow set's.
+@pytest.mark.slow
 def test_finetune_in_float16_learns_as_float32_does(model_dir, tmp_path):
     from test_finetune import finetune, river_rows, write_table
 

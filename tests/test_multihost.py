@@ -129,6 +129,8 @@ def _resume_and_compare(command: list[str], common: list[str], run_dir: Path, st
     assert_same_metrics(run_dir, run_dir.parent / "reference", after=step)
 
 
+# A long run: the two-process run below checks the launch and its checkpoint in CI.
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="finds the launched processes through /proc")
 def test_a_killed_process_stops_the_launch_and_the_same_command_resumes(shards, tmp_path):
     cfg = write_config(tmp_path / "config.yaml", train={"max_steps": 40}, checkpoint={"every": 4})

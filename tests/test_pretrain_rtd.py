@@ -35,6 +35,8 @@ def rtd_config(shards, **sections):
     return dataclasses.replace(cfg, objective="rtd", rtd=RtdConfig(**rtd))
 
 
+# A long run: the objective's gradients are checked in CI by the tests below; learning is the slow set's.
+@pytest.mark.slow
 def test_the_discriminator_learns_and_exports_as_electra_for_pretraining(shards, tmp_path, capsys):
     cfg = rtd_config(shards, train={"max_steps": 60}, eval={"every": 20}, checkpoint={"every": 20})
     pretrain.main(cfg, str(tmp_path / "run"))

@@ -46,6 +46,8 @@ def test_a_ramped_run_grows_its_batch_and_starts_as_the_small_batch_run(shards, 
     assert abs(ramped_loss[steps] - small_loss[steps]) > 1e-3
 
 
+# A long run: the ramp itself is checked in CI by the test above; a stopped run's resumption is the slow set's.
+@pytest.mark.slow
 def test_a_ramped_run_stopped_by_sigterm_continues_to_the_uninterrupted_runs_numbers(shards, tmp_path):
     ramp = ["--train.global_batch=32", "--train.grad_accum=4", "--train.batch_ramp=0.6", "--train.batch_ramp_start=16"]
     whole = tmp_path / "whole"

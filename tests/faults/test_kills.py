@@ -121,6 +121,8 @@ def test_pretrain_killed_inside_a_checkpoint_save(shards, reference, tmp_path, t
     resume_and_compare(shards, reference, tmp_path / "run")
 
 
+# A long run: `make faults` runs it with the rest of the kill suite.
+@pytest.mark.slow
 def test_pretrain_killed_after_the_data_is_written_and_before_the_rename(shards, reference, tmp_path, tally):
     """The narrowest moment of a save: every array on disk, its checksums about to be written, no rename yet."""
     tally("kill", 2)
