@@ -132,10 +132,8 @@ def test_choice_scores_match_transformers_and_round_trip(family, request, tmp_pa
 
 
 @pytest.mark.parametrize("family", ["bert", "roberta"])
-def test_a_sequence_classifier_read_as_a_choice_model_keeps_its_pooler_and_gets_a_fresh_classifier(
-    family, request, tmp_path
-):
-    # BERT's pooler is the choice head's dense layer under the same name; the classifier (3 outputs) is not its.
+def test_a_sequence_classifier_read_as_a_choice_model_gets_a_fresh_head(family, request, tmp_path):
+    # The choice head's layers have the sequence head's names (BERT's pooler, the classifier) but mean another thing.
     folder, _ = reference(family, "SequenceClassification", request, tmp_path / "seq", num_labels=3)
     pre = load_pretrained(folder, head="choice", seed=5, need_tokenizer=False)
     fresh = {row.hf for row in key_table(pre.model.config, "choice") if row.head}
