@@ -11,6 +11,8 @@ import numpy as np
 from flax import nnx
 
 from bertforge.data.batching import BUCKET, by_length, pad_batch, padded_length
+from bertforge.errors import UserError
+from bertforge.model.hf import Pretrained
 from bertforge.tokenizer.load import Encoded
 
 INPUTS = ("input_ids", "attention_mask", "token_type_ids")  # a batch's keys that a model's forward takes
@@ -55,3 +57,27 @@ def outputs_by_length(
             bar.update(len(idx))
     assert out is not None
     return out
+
+
+def run_limit(models: Sequence[Pretrained], settings: dict[str, Any], max_length: int | None) -> int:
+    """The tokens per row of a prediction: `max_length`, else the fine-tuning run's (run.json `settings`), else the
+    model's, never more than the model holds."""
+    max_seq_len = models[0].model.config.max_seq_len
+    return min(max_length or settings.get("max_length") or max_seq_len, max_seq_len)
+
+
+def fold_mean_outputs(
+    models: Sequence[Pretrained], kind: type, what: str, encs: Sequence[Encoded], batch_size: int, limit: int
+) -> np.ndarray:
+    """The mean of `models`' outputs over `encs` (a run's fold models, which share one tokenizer), each model
+    checked to be a `kind` model; a model of another kind is an error naming it as not a `what` model."""
+    total: np.ndarray | None = None
+    pad_id = models[0].tokenizer.pad_id
+    for pre in models:
+        if not isinstance(pre.model, kind):
+            raise UserError(f"{pre.folder}: not a {what} model")
+        pre.model.eval()
+        out = outputs_by_length(forward_of(pre.model), encs, pad_id, batch_size, limit)
+        total = out if total is None else total + out
+    assert total is not None
+    return total / len(models)

@@ -13,12 +13,11 @@ import numpy as np
 from bertforge.data.question_windows import question_windows
 from bertforge.data.questions import Question, read_questions
 from bertforge.data.tabular import write_csv
-from bertforge.errors import UserError
 from bertforge.fileio import write_atomic_fs
 from bertforge.finetuning.spans import Span, answers_of
 from bertforge.model.heads import SpanClassifier
 from bertforge.model.hf import Pretrained
-from bertforge.tasks.model_outputs import forward_of, outputs_by_length
+from bertforge.tasks.model_outputs import fold_mean_outputs, run_limit
 from bertforge.tasks.predict_tokens import json_line
 
 N_BEST = 20  # the spans whose scores a probability is over
@@ -34,24 +33,17 @@ def question_answers(
 ) -> list[list[Span]]:
     """Each question's `n_best` answers, best first, each scored by its probability among the 20 best; the run's
     lengths, stride and null threshold (run.json `settings`) where none is given."""
-    tok = models[0].tokenizer
-    max_seq_len = models[0].model.config.max_seq_len
-    limit = min(max_length or settings.get("max_length") or max_seq_len, max_seq_len)
-    rows = question_windows(tok, questions, limit, int(settings.get("stride", 32)),
+    limit = run_limit(models, settings, max_length)
+    rows = question_windows(models[0].tokenizer, questions, limit, int(settings.get("stride", 32)),
                             int(settings.get("max_question_length", 64)))  # fmt: skip
     encs = [w.encoded for w in rows]
-    total = np.zeros((len(rows), limit, 2), np.float32)
-    for pre in models:
-        if not isinstance(pre.model, SpanClassifier):
-            raise UserError(f"{pre.folder}: not a question-answering model")
-        pre.model.eval()
-        total += outputs_by_length(forward_of(pre.model), encs, tok.pad_id, batch_size, limit)
+    mean = fold_mean_outputs(models, SpanClassifier, "question-answering", encs, batch_size, limit)
     question_of = np.array([w.question for w in rows], np.int64)
     offsets = np.stack([w.offsets for w in rows]) if rows else np.zeros((0, limit, 2), np.int32)
     longest = int(settings.get("max_answer_length", 30))
     contexts = [q.context for q in questions]
     # Each score is a probability among the 20 best spans (run_qa's n-best), however few are asked for.
-    found = answers_of(contexts, question_of, total / len(models), offsets, longest, max(n_best, N_BEST),
+    found = answers_of(contexts, question_of, mean, offsets, longest, max(n_best, N_BEST),
                        settings.get("null_threshold"))  # fmt: skip
     return [spans[: max(n_best, 1)] for spans in found]
 

@@ -12,12 +12,11 @@ import numpy as np
 
 from bertforge.data import windows
 from bertforge.data.tagged import Document, data_format, read_documents
-from bertforge.errors import UserError
 from bertforge.fileio import write_atomic_fs
 from bertforge.finetuning import tokens
 from bertforge.model.heads import TokenClassifier
 from bertforge.model.hf import Pretrained
-from bertforge.tasks.model_outputs import forward_of, outputs_by_length
+from bertforge.tasks.model_outputs import fold_mean_outputs, run_limit
 
 
 def document_predictions(
@@ -29,14 +28,8 @@ def document_predictions(
     units = tokens.units_of(docs, tok)
     wins = [w for d, u in enumerate(units) for w in windows.document_windows(tok, u, None, d, limit, stride, False)]
     encs = [w.encoded for w in wins]
-    total = np.zeros(0, np.float32)
-    for pre in models:
-        if not isinstance(pre.model, TokenClassifier):
-            raise UserError(f"{pre.folder}: not a token-classification model")
-        pre.model.eval()
-        out = outputs_by_length(forward_of(pre.model), encs, tok.pad_id, batch_size, limit)
-        total = out if total.size == 0 else total + out
-    by_doc = tokens.document_outputs(wins, units, len(tok.template.prefix), total / len(models))
+    mean = fold_mean_outputs(models, TokenClassifier, "token-classification", encs, batch_size, limit)
+    by_doc = tokens.document_outputs(wins, units, len(tok.template.prefix), mean)
     return [by_doc[d] for d in range(len(docs))], units
 
 
@@ -50,10 +43,8 @@ def document_entities(
     batch_size: int,
 ) -> tuple[list[list[dict[str, Any]]], list[np.ndarray], list[windows.Units]]:  # fmt: skip
     """Each document's entities, (U, L) unit outputs and units; the run's length and stride where none is given."""
-    max_seq_len = models[0].model.config.max_seq_len
-    limit = min(max_length or settings.get("max_length") or max_seq_len, max_seq_len)
     stride = int(settings.get("stride", 32))
-    outputs, units = document_predictions(models, docs, limit, stride, batch_size)
+    outputs, units = document_predictions(models, docs, run_limit(models, settings, max_length), stride, batch_size)
     names = label_names(models[0])
     found = [tokens.entities(d.text, u, o, names) for d, u, o in zip(docs, units, outputs, strict=True)]
     return found, outputs, units
