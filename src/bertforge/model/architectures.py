@@ -62,7 +62,7 @@ class FamilyModule(Protocol):
     def choice_head(self, cfg: ModelConfig, rngs: nnx.Rngs) -> SequenceHead: ...
 
     def key_table(self, cfg: ModelConfig, head: str) -> list[Row]:
-        """Every parameter of a model of `head` ('mlm', 'sequence', 'token' or 'span') with its Hugging Face
+        """Every parameter of a model of `head` ('mlm', 'sequence', 'token', 'span' or 'choice') with its Hugging Face
         name."""
         ...
 
@@ -202,8 +202,8 @@ def config_from_hf(data: dict[str, Any], source: str) -> tuple[ModelConfig, Head
 
 
 def config_to_hf(cfg: ModelConfig, head: str, id2label: dict[int, str] | None = None) -> dict[str, Any]:
-    """The config.json of a model of `head` ('mlm', 'sequence', 'token', 'span' or 'rtd'); runtime choices (dtype,
-    remat, attention) stay out of it."""
+    """The config.json of a model of `head` ('mlm', 'sequence', 'token', 'span', 'choice' or 'rtd'); runtime
+    choices (dtype, remat, attention) stay out of it."""
     arch = family_module(cfg)
     out = {**arch.hf_config(cfg, "mlm" if head == "rtd" else head), "dtype": "float32"}
     if head == "rtd":

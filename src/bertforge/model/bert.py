@@ -249,8 +249,8 @@ def encoder_rows(cfg: ModelConfig, p: str) -> list[Row]:
 
 
 def key_table(cfg: ModelConfig, head: str) -> list[Row]:
-    """Every parameter of a bertforge model of `head` ('mlm', 'sequence', 'token' or 'span') with its Hugging Face
-    name."""
+    """Every parameter of a bertforge model of `head` ('mlm', 'sequence', 'token', 'span' or 'choice') with its
+    Hugging Face name."""
     prefix = lookup(cfg.family).hf_prefix
     if cfg.embed_dim != cfg.hidden_size:
         raise UserError(

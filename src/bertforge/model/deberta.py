@@ -207,8 +207,8 @@ def choice_head(cfg: ModelConfig, rngs: nnx.Rngs) -> SequenceHead:
 
 # ------------------------------------------------------------------------------------------- Hugging Face names
 def key_table(cfg: ModelConfig, head: str) -> list[Row]:
-    """Every parameter of a bertforge model of `head` ('mlm', 'sequence', 'token' or 'span') with its Hugging Face
-    name."""
+    """Every parameter of a bertforge model of `head` ('mlm', 'sequence', 'token', 'span' or 'choice') with its
+    Hugging Face name."""
     enc, emb, e = ("encoder",), ("encoder", "embeddings"), "deberta.embeddings"
     tables = ["word"] + ["position"] * cfg.position_biased_input + ["token_type"] * bool(cfg.type_vocab_size)
     rows = [table_row(f"{e}.{name}_embeddings", (*emb, name)) for name in tables]

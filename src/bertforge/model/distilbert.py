@@ -81,8 +81,8 @@ def choice_head(cfg: ModelConfig, rngs: nnx.Rngs) -> SequenceHead:
 
 # ------------------------------------------------------------------------------------------- Hugging Face names
 def key_table(cfg: ModelConfig, head: str) -> list[Row]:
-    """Every parameter of a bertforge model of `head` ('mlm', 'sequence', 'token' or 'span') with its Hugging Face
-    name."""
+    """Every parameter of a bertforge model of `head` ('mlm', 'sequence', 'token', 'span' or 'choice') with its
+    Hugging Face name."""
     emb = ("encoder", "embeddings")
     rows = [
         table_row(f"{PREFIX}.embeddings.word_embeddings", (*emb, "word")),

@@ -68,8 +68,8 @@ def choice_head(cfg: ModelConfig, rngs: nnx.Rngs) -> SequenceHead:
 
 # ------------------------------------------------------------------------------------------- Hugging Face names
 def key_table(cfg: ModelConfig, head: str) -> list[Row]:
-    """Every parameter of a bertforge model of `head` ('mlm', 'sequence', 'token' or 'span') with its Hugging Face
-    name."""
+    """Every parameter of a bertforge model of `head` ('mlm', 'sequence', 'token', 'span' or 'choice') with its
+    Hugging Face name."""
     rows = bert.encoder_rows(cfg, PREFIX)
     if cfg.embed_dim != cfg.hidden_size:
         rows += linear_rows(f"{PREFIX}.embeddings_project", ("encoder", "embeddings", "project"))

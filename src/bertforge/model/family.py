@@ -43,8 +43,8 @@ class Family:
     num_params: Callable[[Any], int] | None = None
 
     def architecture(self, head: str) -> str:
-        """Its transformers class of a model of `head` ('mlm', 'sequence', 'token' or 'span'): BertForMaskedLM,
-        ..."""
+        """Its transformers class of a model of `head` ('mlm', 'sequence', 'token', 'span' or 'choice'):
+        BertForMaskedLM, ..."""
         return self.hf_prefix + HEAD_CLASSES[head]
 
     def apply(self, fields: dict[str, Any]) -> dict[str, Any]:

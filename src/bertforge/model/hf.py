@@ -291,7 +291,8 @@ def save_pretrained(
     extra_files: dict[str, str | bytes] | None = None,
 ) -> Path:
     """Write a folder that transformers' AutoModelForMaskedLM, AutoModelForSequenceClassification,
-    AutoModelForTokenClassification or AutoModelForQuestionAnswering (as the model's head) loads.
+    AutoModelForTokenClassification, AutoModelForQuestionAnswering or AutoModelForMultipleChoice (as the model's
+    head) loads.
 
     Files are written into a temporary folder and moved into place, so a crash never leaves a half-written export.
     Over an existing folder, its config.json goes first and the new one comes last: a folder caught in between has
