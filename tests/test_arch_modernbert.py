@@ -379,6 +379,7 @@ def tiny_batch(seq_len: int) -> tuple[jax.Array, jax.Array]:
     return ids, mask
 
 
+@pytest.mark.slow  # `make slow`
 def test_remat_and_dropout_give_the_plain_numbers():
     # Dropout everywhere (embeddings, attention probabilities and output, MLP, head): the rematerialised layers
     # draw the same keys as the plain ones, so loss and gradients are the same.

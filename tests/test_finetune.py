@@ -255,6 +255,7 @@ def test_loss_is_the_weighted_mean_over_real_rows_and_accumulation_gives_the_ful
         assert max(jax.tree.leaves(diff)) < 1e-5
 
 
+@pytest.mark.slow  # `make slow`; the fast suite keeps dropout's own tests (test_dropout.py)
 def test_dropout_keys_drawn_in_their_own_program_give_the_gradients_of_pretrainings_dropout():
     # The fine-tuning step draws its dropout keys apart from the gradients' program (compiled once, not per
     # length). Reference: jax.grad of the loss with the model keyed as pretraining keys it, with_dropout_key(rest,

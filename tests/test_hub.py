@@ -55,6 +55,7 @@ def pretrain_args(shards: Path, out: Path, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
+@pytest.mark.slow  # `make slow`; the fast suite keeps fine-tuning's pushes
 def test_pretraining_pushes_in_the_background_through_a_slow_and_a_failed_push(shards, tmp_path):
     out = tmp_path / "run"
 

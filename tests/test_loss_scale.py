@@ -144,6 +144,7 @@ def test_finetune_in_float16_learns_as_float32_does(model_dir, tmp_path):
     assert abs(scores["float16"] - scores["float32"]) < 0.02 * targets.std(), scores
 
 
+@pytest.mark.slow  # `make slow`; the fast suite keeps test_float16_training_follows_float32
 def test_float16_pretraining_step_follows_float32():
     import functools
 

@@ -297,6 +297,7 @@ def test_schedules_in_closed_form():
     assert learning_rate(wsd, 1.0, 0.1) == pytest.approx(end)
 
 
+@pytest.mark.slow  # `make slow`
 def test_a_wsd_run_continued_from_its_stable_phase_with_a_larger_budget_is_the_run_of_that_budget(shards, tmp_path):
     """Until the decay the lr does not depend on the budget: a run of 20 steps, continued from its checkpoint at step
     10 with a budget of 40, is the run of 40 steps, step for step (a linear decay would differ from the start)."""
@@ -413,6 +414,7 @@ def test_best_step_is_the_lowest_validation_loss_not_the_latest(tmp_path):
     latest_only.close()
 
 
+@pytest.mark.slow  # `make slow`
 def test_a_moved_or_uploaded_shard_folder_pretrains_without_tokenizer(wordpiece_dir, tmp_path):
     import shutil
 

@@ -164,6 +164,7 @@ def detection_gradients(pair):
     return nnx.to_pure_dict(jax.grad(detection)(params))
 
 
+@pytest.mark.slow  # `make slow`; the fast suite keeps the objective's gradients written out
 def test_gradient_disentangled_sharing_keeps_the_detection_loss_out_of_the_generator_table():
     grads = detection_gradients(small_pair("gdes"))
     words = grads["discriminator"]["encoder"]["embeddings"]["word"]

@@ -28,6 +28,7 @@ def test_ramp_sizes_in_closed_form():
     assert sizes == sorted(sizes) and sizes[0] == 2 and sizes[400:] == [6] * 600
 
 
+@pytest.mark.slow  # `make slow`; the fast suite keeps the ramp's closed form and its refused keys
 def test_a_ramped_run_grows_its_batch_and_starts_as_the_small_batch_run(shards, tmp_path):
     steps, fraction = 12, 0.5
     ramped = config(shards, train={"global_batch": 32, "grad_accum": 4, "batch_ramp": fraction, "max_steps": steps})

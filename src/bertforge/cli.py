@@ -158,7 +158,7 @@ def _demo(cfg: Any, args: argparse.Namespace) -> int:
 # The data section's keys that fine-tuning takes as --key-name flags too.
 _DATA_FLAGS = ("text_column", "text_pair_column", "id_column", "group_column", "error_column", "max_length",
                "truncation", "quoted_tsv", "tag_scheme", "label_all_tokens", "stride", "long_text",
-               "window_pool", "max_question_length", "max_answer_length")  # fmt: skip
+               "window_pool", "max_question_length", "max_answer_length", "context_column")  # fmt: skip
 
 GROUPS = {"tokenizer": "train a tokenizer"}
 COMMANDS: dict[str, Command] = {
@@ -210,13 +210,13 @@ COMMANDS: dict[str, Command] = {
         options=options("json"),
     ),
     "predict": Command(
-        "predictions of a fine-tuned model: a row per text of a table, or each text's entities",
+        "predictions of a fine-tuned model: a row per text, each text's entities, each question's answer or choice",
         "bertforge.tasks.infer:PredictConfig",
         _predict,
         aliases={"--data-format": "format"},
     ),
     "finetune": Command(
-        "fine-tune a sequence or token head with k-fold cross-validation; the same command again resumes",
+        "fine-tune a sequence, token, span or choice head with k folds; the same command again resumes",
         "bertforge.tasks.finetune:FinetuneConfig",
         _finetune,
         "Overrides such as --optim.lr=3e-5 --train.epochs=5 --head.pooling=mean follow the flags.",

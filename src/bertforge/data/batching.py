@@ -9,6 +9,7 @@ final batch is filled with rows of weight 0.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
@@ -69,19 +70,47 @@ def padded_length(n: int, limit: int, bucket: int = BUCKET, rungs: tuple[int, ..
     return bucket_length(n, limit, bucket)
 
 
-def pad_batch(encs: Sequence[Encoded], pad_id: int, length: int, rows: int | None = None) -> dict[str, np.ndarray]:
-    """Right-pad encodings to `length`: input_ids, attention_mask, token_type_ids, each (B, T) int32.
+@dataclasses.dataclass(frozen=True)
+class EncodedChoices:
+    """A multiple-choice row: the encoding of each of its (question, choice) pairs, batched as (B, N, T)."""
+
+    options: tuple[Encoded, ...]
+
+
+Row = Encoded | EncodedChoices
+
+
+def tokens_of(row: Row) -> int:
+    """The tokens a row needs: its text's, or its longest choice's."""
+    if isinstance(row, EncodedChoices):
+        return max(len(e.ids) for e in row.options)
+    return len(row.ids)
+
+
+def choices_of(rows: Sequence[Row]) -> int:
+    """The number of choices of multiple-choice rows (each has the same); 0 for texts."""
+    return len(rows[0].options) if rows and isinstance(rows[0], EncodedChoices) else 0
+
+
+def pad_batch(
+    encs: Sequence[Row], pad_id: int, length: int, rows: int | None = None, choices: int = 0
+) -> dict[str, np.ndarray]:
+    """Right-pad encodings to `length`: input_ids, attention_mask, token_type_ids, each (B, T) int32, or
+    (B, N, T) for multiple-choice rows (`choices` N, which `encs` give when there are any).
 
     With `rows`, the batch has that many rows; the extra ones are all padding (attention_mask 0).
     """
-    b = rows or len(encs)
-    ids = np.full((b, length), pad_id, np.int32)
-    mask = np.zeros((b, length), np.int32)
-    types = np.zeros((b, length), np.int32)
-    for i, e in enumerate(encs):
-        n = len(e.ids)
-        ids[i, :n], mask[i, :n], types[i, :n] = e.ids, 1, e.type_ids
-    return {"input_ids": ids, "attention_mask": mask, "token_type_ids": types}
+    b, n = rows or len(encs), choices_of(encs) or choices
+    flat = [o for e in encs for o in e.options] if n else encs
+    shape = (b * n, length) if n else (b, length)
+    ids = np.full(shape, pad_id, np.int32)
+    mask = np.zeros(shape, np.int32)
+    types = np.zeros(shape, np.int32)
+    for i, e in enumerate(flat):
+        k = len(e.ids)
+        ids[i, :k], mask[i, :k], types[i, :k] = e.ids, 1, e.type_ids
+    batch = {"input_ids": ids, "attention_mask": mask, "token_type_ids": types}
+    return {k: v.reshape(b, n, length) for k, v in batch.items()} if n else batch
 
 
 def by_length(lengths: np.ndarray, batch_size: int) -> list[np.ndarray]:

@@ -10,9 +10,9 @@ from typing import Any, Literal, get_args
 import numpy as np
 
 from bertforge.data import tabular
-from bertforge.data.batching import POOL
+from bertforge.data.batching import POOL, Row
 from bertforge.errors import UserError
-from bertforge.tokenizer.load import TRUNCATIONS, Encoded, Truncation
+from bertforge.tokenizer.load import TRUNCATIONS, Truncation
 
 LongTextMode = Literal["truncate", "windows"]  # data.long_text: what becomes of a text longer than max_length
 WindowPool = Literal["mean", "max"]  # data.window_pool: how a text's output is made of its windows'
@@ -54,6 +54,8 @@ class TableConfig:
     max_question_length: int = 64
     max_answer_length: int = 30
     null_threshold: float = 0.0
+    # Multiple choice: a column read before each question as its context (run_swag's first sentence).
+    context_column: str | None = None
 
     def __post_init__(self) -> None:
         if self.truncation not in TRUNCATIONS:
@@ -84,7 +86,7 @@ class Table:
     weights: np.ndarray  # (N,) float32
     ids: list[str] | None
     groups: list[str] | None
-    encs: list[Encoded] | None = None  # each row's tokens, once a task's rows() has encoded them
+    encs: list[Row] | None = None  # each row's tokens, once a task's rows() has encoded them
     source: Any = None  # what a task's rows came from, when a row is not a record of the file (a document's window)
 
     def __len__(self) -> int:

@@ -19,7 +19,7 @@ from flax import nnx
 
 from bertforge import hub, runs
 from bertforge.config import to_dict
-from bertforge.data.batching import epoch_batches, ladder
+from bertforge.data.batching import Row, choices_of, epoch_batches, ladder, tokens_of
 from bertforge.data.folds import FoldsConfig, check_classes, fold_plan, folds_to_run
 from bertforge.data.labelled import Table, TableConfig
 from bertforge.data.long_text import record_of, records_of
@@ -30,7 +30,6 @@ from bertforge.model.hf import Pretrained
 from bertforge.model.load import load_model
 from bertforge.runtime.devices import MeshConfig, build_mesh, param_shardings
 from bertforge.tasks.finetune_fold import FinetuneTrainConfig, Job, scores, train_fold
-from bertforge.tokenizer.load import Encoded
 from bertforge.train import metrics
 from bertforge.train.ahead import Ahead
 from bertforge.train.loss_scale import with_loss_scale
@@ -79,8 +78,12 @@ class FinetuneConfig:
     hub: hub.HubConfig = dataclasses.field(default_factory=hub.HubConfig)
 
 
-def _setup(cfg: FinetuneConfig) -> tuple[Pretrained, Table, Table | None, list[int], np.ndarray | None]:
-    """Read and check everything before anything is written."""
+Setup = tuple[Pretrained, list[str], Table, Table | None, list[int], np.ndarray | None]
+
+
+def _setup(cfg: FinetuneConfig) -> Setup:
+    """Read and check everything before anything is written: the model, the names of the task's outputs, the
+    training and validation tables, the folds to run and the fold of every record."""
     if not cfg.model:
         raise UserError("no model given (--model HF_DIR_OR_HUB_ID_OR_RUN)")
     if not cfg.data.train:
@@ -96,8 +99,10 @@ def _setup(cfg: FinetuneConfig) -> tuple[Pretrained, Table, Table | None, list[i
     for name in ("hidden_dropout", "attention_dropout", "classifier_dropout"):
         if getattr(h, name) is not None:
             overrides[name] = getattr(h, name)
-    pre = load_model(cfg.model, head=task.HEAD, num_labels=len(names), seed=cfg.train.seed, overrides=overrides)
-    pre.id2label = dict(enumerate(names))
+    outputs = 1 if task.HEAD == "choice" else len(names)  # a choice head scores each choice with one output
+    pre = load_model(cfg.model, head=task.HEAD, num_labels=outputs, seed=cfg.train.seed, overrides=overrides)
+    if outputs == len(names):
+        pre.id2label = dict(enumerate(names))
     limit = min(cfg.data.max_length, pre.model.config.max_seq_len)
     table = task.rows(data, pre.tokenizer, cfg.data, limit)
     valid = None if valid_data is None else task.rows(valid_data, pre.tokenizer, cfg.data, limit)
@@ -105,27 +110,28 @@ def _setup(cfg: FinetuneConfig) -> tuple[Pretrained, Table, Table | None, list[i
     folds = None if valid is not None else fold_plan(cfg.folds, records_of(table), task.strata)
     if folds is not None:
         check_classes(records_of(table), folds, run)
-    return pre, table, valid, run, folds
+    return pre, names, table, valid, run, folds
 
 
 def main(cfg: FinetuneConfig, out: str, resume: str = "auto") -> dict[str, Any]:
     """Fine-tune the folds of `cfg`; returns the summary (also in RUN/summary.json)."""
-    pre, table, valid, run, folds = _setup(cfg)
+    pre, names, table, valid, run, folds = _setup(cfg)
     run_dir = Path(out)
     with runs.locked(run_dir):
-        return _main(cfg, run_dir, resume, pre, table, valid, run, folds)
+        return _main(cfg, run_dir, resume, pre, names, table, valid, run, folds)
 
 
-def _ladder(encs: list[Encoded], cfg: FinetuneConfig, limit: int) -> tuple[int, ...]:
+def _ladder(encs: list[Row], cfg: FinetuneConfig, limit: int) -> tuple[int, ...]:
     """The padded lengths every fold uses, chosen from the longest text of each batch of a first epoch over the
     whole table (a fold's batches are alike), so that the folds share their compiled programs."""
-    lengths = np.array([len(e.ids) for e in encs])
+    lengths = np.array([tokens_of(e) for e in encs])
     plan = epoch_batches(lengths, cfg.train.batch_size, max(cfg.data.bucket, 1), cfg.train.seed, 0, cfg.data.pool)
     maxima = np.array([lengths[rows].max() for rows in plan])
     return ladder(maxima, limit, cfg.data.bucket, cfg.data.shapes)
 
 
-def _job(cfg: FinetuneConfig, run_dir: Path, pre: Pretrained, table: Table, valid: Table | None, several: bool) -> Job:
+def _job(cfg: FinetuneConfig, run_dir: Path, pre: Pretrained, names: list[str], table: Table, valid: Table | None,
+         several: bool) -> Job:  # fmt: skip
     """The encoded tables, the mesh, the optimizer and the compiled programs every fold shares."""
     limit = min(cfg.data.max_length, pre.model.config.max_seq_len)
     assert table.encs is not None and (valid is None or valid.encs is not None)
@@ -161,6 +167,7 @@ def _job(cfg: FinetuneConfig, run_dir: Path, pre: Pretrained, table: Table, vali
         pool=cfg.data.pool,
         limit=limit,
         pre=pre,
+        names=names,
         table=table,
         encs=table.encs,
         rungs=_ladder(table.encs, cfg, limit),
@@ -178,6 +185,7 @@ def _job(cfg: FinetuneConfig, run_dir: Path, pre: Pretrained, table: Table, vali
         hub=cfg.hub,
         publisher=hub.open_publisher(cfg.hub),
         hub_folder="fold-{fold}" if several else "",
+        choices=choices_of(table.encs),
     )
 
 
@@ -186,6 +194,7 @@ def _main(
     run_dir: Path,
     resume: str,
     pre: Pretrained,
+    names: list[str],
     table: Table,
     valid: Table | None,
     run: list[int],
@@ -193,7 +202,7 @@ def _main(
 ) -> dict[str, Any]:
     if resume == "never" and any((runs.fold_dir(run_dir, f) / runs.RESULT).exists() for f in run):
         raise UserError(f"{run_dir}: already has finished folds; use another --out, or --resume auto to continue")
-    job = _job(cfg, run_dir, pre, table, valid, several=len(run) > 1)
+    job = _job(cfg, run_dir, pre, names, table, valid, several=len(run) > 1)
     try:
         summary = _folds(cfg, run_dir, resume, job, table, valid, run, folds)
     finally:
@@ -217,7 +226,7 @@ def _folds(
         info = {
             "task": cfg.head.task,
             "targets": list(cfg.data.target_columns),
-            "labels": [job.pre.id2label[i] for i in range(len(job.pre.id2label))],
+            "labels": job.names,
             "text_column": cfg.data.text_column,
             "text_pair_column": cfg.data.text_pair_column,
             "max_length": job.limit,
@@ -274,7 +283,7 @@ def _summarise(cfg: FinetuneConfig, job: Job, results: list[dict[str, Any]]) -> 
     }
     if jax.process_index() == 0:
         ids = table.row_ids()
-        names = [job.pre.id2label[i] for i in range(len(job.pre.id2label))]
+        names = job.names
         keys = [("id", [ids[r] for r in rows]), ("fold", [int(f) for f in fold_of])]
         header, body = job.task.out_of_fold(table, cfg.data, names, rows, outputs, keys)
         runs.write_outcome(job.run_dir, header, body, summary)

@@ -19,7 +19,7 @@ from flax import nnx
 
 from bertforge import hub, runs
 from bertforge.card import card_files
-from bertforge.data.batching import by_length, epoch_batches, pad_batch, padded_length
+from bertforge.data.batching import Row, by_length, epoch_batches, pad_batch, padded_length, tokens_of
 from bertforge.data.labelled import Table
 from bertforge.data.long_text import outputs_of_records, record_of, records_of
 from bertforge.finetuning import FinetuneTask
@@ -27,7 +27,6 @@ from bertforge.hub import HubConfig, Publisher
 from bertforge.model.hf import Pretrained, save_pretrained
 from bertforge.runtime.devices import fetch, global_array
 from bertforge.tasks.model_outputs import INPUTS, outputs_by_length
-from bertforge.tokenizer.load import Encoded
 from bertforge.train import loop, metrics
 from bertforge.train.checkpoint import Checkpoints
 from bertforge.train.metrics_log import LogConfig, MetricsLog, read_metrics
@@ -75,10 +74,11 @@ class Job:
     rungs: tuple[int, ...]  # the padded lengths (data.shapes of them at most); () for every multiple of bucket
     limit: int  # tokens per text
     pre: Pretrained  # the tokenizer and label names go with every fold's model
+    names: list[str]  # the task's outputs' names (a multiple-choice model's choices, its one label aside)
     table: Table  # training rows
-    encs: list[Encoded]
+    encs: list[Row]
     valid_table: Table | None  # a separate validation table, or None: folds of `table`
-    valid_encs: list[Encoded] | None
+    valid_encs: list[Row] | None
     mesh: jax.sharding.Mesh
     graphdef: Any
     rest: Any
@@ -91,6 +91,7 @@ class Job:
     hub: HubConfig = dataclasses.field(default_factory=HubConfig)
     publisher: Publisher | None = None  # process 0's pushes to hub.repo
     hub_folder: str = ""  # where in the Hub repository this run's models go: fold-K/ when it trains several
+    choices: int = 0  # a multiple-choice row's choices (its batches are (B, N, T)); 0 for texts
 
 
 def write_model(job: Job, fold_dir: Path, params: Any, out: Path, step: int) -> None:
@@ -118,7 +119,7 @@ def write_model(job: Job, fold_dir: Path, params: Any, out: Path, step: int) -> 
 def _batch(job: Job, rows: np.ndarray, length: int) -> dict[str, np.ndarray]:
     """A training batch of exactly train.batch_size rows; filler rows get weight 0."""
     size, table = job.train.batch_size, job.table
-    batch = pad_batch([job.encs[i] for i in rows], job.pre.tokenizer.pad_id, length, size)
+    batch = pad_batch([job.encs[i] for i in rows], job.pre.tokenizer.pad_id, length, size, job.choices)
     targets = np.zeros((size, *table.targets.shape[1:]), table.targets.dtype)
     targets[: len(rows)] = table.targets[rows]
     weight = np.zeros(size, np.float32)
@@ -128,8 +129,7 @@ def _batch(job: Job, rows: np.ndarray, length: int) -> dict[str, np.ndarray]:
 
 def scores(job: Job, outputs: np.ndarray, targets: np.ndarray) -> dict[str, float]:
     """The task's metrics and the loss of `outputs` against `targets` (of the validation table's rows)."""
-    names = [job.pre.id2label[i] for i in range(len(job.pre.id2label))]
-    found = job.task.scores(outputs, targets, names, (job.valid_table or job.table).source)
+    found = job.task.scores(outputs, targets, job.names, (job.valid_table or job.table).source)
     found["loss"] = float(_mean_loss(outputs, targets, job.loss))
     return found
 
@@ -159,7 +159,7 @@ def compile_ahead(job: Job, state: TrainState, key: jax.Array, lengths: np.ndarr
     evaluated = {padded_length(int(valid_lengths[idx].max()), job.limit, job.bucket, job.rungs)
                  for idx in by_length(valid_lengths, job.train.eval_batch_size)}  # fmt: skip
     for n in sorted(evaluated, reverse=True):  # the evaluation runs longest first
-        batch = pad_batch([], job.pre.tokenizer.pad_id, n, job.train.eval_batch_size)
+        batch = pad_batch([], job.pre.tokenizer.pad_id, n, job.train.eval_batch_size, job.choices)
         job.forward_jit.ahead(state.params, {k: global_array(batch[k], job.mesh) for k in INPUTS})
 
 
@@ -172,7 +172,7 @@ class Fold:
     train_rows: np.ndarray
     valid_rows: np.ndarray
     lengths: np.ndarray  # the training rows' token counts
-    valid_encs: list[Encoded]
+    valid_encs: list[Row]
     valid_records: np.ndarray  # (D,) the records of the validation rows: the rows, or the texts of their windows
     valid_targets: np.ndarray  # the records' targets
     per_epoch: int  # steps per epoch
@@ -214,7 +214,7 @@ def _plan(job: Job, fold: int, fold_dir: Path, train_rows: np.ndarray, valid_row
         dir=fold_dir,
         train_rows=train_rows,
         valid_rows=valid_rows,
-        lengths=np.array([len(job.encs[i].ids) for i in train_rows]),
+        lengths=np.array([tokens_of(job.encs[i]) for i in train_rows]),
         valid_encs=[(job.valid_encs or job.encs)[i] for i in valid_rows],
         valid_records=records,
         valid_targets=records_of(valid).targets[records],
@@ -235,7 +235,7 @@ def _train(job: Job, fold: Fold, state: TrainState, checkpoints: Checkpoints, st
     evaluations = Evaluations(job, fold)
     log.message(_describe(job, fold, start_step))
     warmup = warmup_fraction(job.optim, fold.steps)
-    valid_lengths = np.array([len(e.ids) for e in fold.valid_encs])
+    valid_lengths = np.array([tokens_of(e) for e in fold.valid_encs])
     compile_ahead(job, state, key, fold.lengths, valid_lengths, start_step, fold.steps)
     batches = _training_batches(job, fold, start_step)
     save = functools.partial(_save, job, fold, checkpoints, evaluations)

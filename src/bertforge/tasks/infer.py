@@ -20,10 +20,11 @@ from bertforge.data.long_text import pool, text_windows
 from bertforge.errors import UserError
 from bertforge.finetuning import task_of
 from bertforge.finetuning.tables import prediction_table
-from bertforge.model.heads import MaskedLM, SequenceClassifier, SpanClassifier, TokenClassifier
+from bertforge.model.heads import ChoiceClassifier, MaskedLM, SequenceClassifier, SpanClassifier, TokenClassifier
 from bertforge.model.hf import Pretrained
 from bertforge.model.load import load_model, load_models
 from bertforge.tasks.model_outputs import forward_of, outputs_by_length
+from bertforge.tasks.predict_choices import predict_choices
 from bertforge.tasks.predict_questions import predict_questions
 from bertforge.tasks.predict_tokens import predict_tokens
 from bertforge.tokenizer.load import TRUNCATIONS, Tokenizer, Truncation
@@ -99,7 +100,9 @@ def fill_mask_main(cfg: FillMaskConfig) -> list[list[list[dict[str, Any]]]]:
 @dataclasses.dataclass(frozen=True)
 class PredictConfig:
     model: str  # a fine-tuning run (its folds averaged) or a model folder
-    data: str  # CSV, TSV or JSONL; token classification: CoNLL, JSONL or JSON; QA: SQuAD JSON or question records
+    # CSV, TSV or JSONL; token classification: CoNLL, JSONL or JSON; QA: SQuAD JSON or question records; multiple
+    # choice: a table with choice0..N-1 columns, or records with a 'choices' list.
+    data: str
     out: str  # CSV to write; for a token-classification model JSONL (CoNLL for CoNLL input); QA: CSV or JSONL
     text_column: str | None = None  # default: the fine-tuning run's, else 'text'
     text_pair_column: str | None = None
@@ -115,6 +118,7 @@ class PredictConfig:
     long_text: LongTextMode | None = None
     window_pool: WindowPool | None = None
     stride: int | None = None
+    context_column: str | None = None  # a multiple-choice model's: a column read before each question
 
     def __post_init__(self) -> None:
         if self.truncation is not None and self.truncation not in TRUNCATIONS:
@@ -154,7 +158,7 @@ def predict_outputs(
     outs = []
     bar = tqdm(total=len(models) * len(texts), desc="predict", unit="text", disable=not progress, file=sys.stderr)
     for pre in models:
-        if not isinstance(pre.model, SequenceClassifier):
+        if not isinstance(pre.model, SequenceClassifier) or isinstance(pre.model, ChoiceClassifier):
             raise UserError(f"{pre.folder}: not a sequence-classification model")
         cfg = pre.model.config
         limit = min(max_length or cfg.max_seq_len, cfg.max_seq_len)
@@ -208,6 +212,8 @@ def predict_main(cfg: PredictConfig) -> Sized:
     models, settings = load_models(cfg.model)
     if isinstance(models[0].model, SpanClassifier):
         return predict_questions(models, settings, cfg)
+    if isinstance(models[0].model, ChoiceClassifier):
+        return predict_choices(models, settings, cfg)
     if isinstance(models[0].model, TokenClassifier):
         return predict_tokens(models, settings, cfg)
     columns, rows = tabular.read_table(cfg.data, quoted_tsv=cfg.quoted_tsv)

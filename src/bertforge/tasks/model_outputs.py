@@ -10,10 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from bertforge.data.batching import BUCKET, by_length, pad_batch, padded_length
+from bertforge.data.batching import BUCKET, Row, by_length, pad_batch, padded_length, tokens_of
 from bertforge.errors import UserError
 from bertforge.model.hf import Pretrained
-from bertforge.tokenizer.load import Encoded
 
 INPUTS = ("input_ids", "attention_mask", "token_type_ids")  # a batch's keys that a model's forward takes
 
@@ -30,7 +29,7 @@ def forward_of(model: nnx.Module) -> Callable[[dict[str, Any]], Any]:
 
 def outputs_by_length(
     forward: Callable[[dict[str, Any]], Any],
-    encs: Sequence[Encoded],
+    encs: Sequence[Row],
     pad_id: int,
     batch_size: int,
     limit: int,
@@ -38,16 +37,17 @@ def outputs_by_length(
     bar: Any = None,
     rungs: tuple[int, ...] = (),
 ) -> np.ndarray:
-    """forward(batch) -> (B, L) over all encodings, in input order; a token model's (B, T, L) as (N, limit, L).
+    """forward(batch) -> (B, L) over all encodings, in input order; a token model's (B, T, L) as (N, limit, L); a
+    multiple-choice model's (B, N) over its rows (batching.EncodedChoices).
 
     Texts are sorted by length, longest first, and batched with little padding; every batch has `batch_size` rows
     (the last is filled with padding rows), so a model compiles once per padded length: the shortest of `rungs`
     that holds the batch, else a multiple of `bucket`. `bar`, a tqdm progress bar, advances by the texts done.
     """
     out: np.ndarray | None = None
-    for idx in by_length(np.array([len(e.ids) for e in encs]), batch_size):
+    for idx in by_length(np.array([tokens_of(e) for e in encs]), batch_size):
         chunk = [encs[i] for i in idx]
-        length = padded_length(max(len(e.ids) for e in chunk), limit, bucket, rungs)
+        length = padded_length(max(tokens_of(e) for e in chunk), limit, bucket, rungs)
         batch = pad_batch(chunk, pad_id, length, batch_size)
         values = np.asarray(forward(batch))[: len(idx)]
         if out is None:  # token outputs (B, T, L) are kept at `limit` tokens, the rest zeros
@@ -67,7 +67,7 @@ def run_limit(models: Sequence[Pretrained], settings: dict[str, Any], max_length
 
 
 def fold_mean_outputs(
-    models: Sequence[Pretrained], kind: type, what: str, encs: Sequence[Encoded], batch_size: int, limit: int
+    models: Sequence[Pretrained], kind: type, what: str, encs: Sequence[Row], batch_size: int, limit: int
 ) -> np.ndarray:
     """The mean of `models`' outputs over `encs` (a run's fold models, which share one tokenizer), each model
     checked to be a `kind` model; a model of another kind is an error naming it as not a `what` model."""
