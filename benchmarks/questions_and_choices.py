@@ -42,12 +42,9 @@ time is the wall time of the whole process (start-up, tokenization, compilation,
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import random
-import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -56,6 +53,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).parent))
 
 from finetune_end_to_end import _minilm, _spread, cpu_model  # noqa: E402
+from task_recipe import bertforge_command, progress, run_bertforge, run_seeds, run_worker, training_args  # noqa: E402
 
 JGLUE = ROOT.parent / "shared/data/jglue"
 QA, MC = "question-answering", "multiple-choice"
@@ -63,7 +61,6 @@ DEFAULTS = {
     QA: dict(max_length=384, stride=128, batch_size=16, epochs=2.0, lr=1e-4),
     MC: dict(max_length=64, stride=0, batch_size=16, epochs=2.0, lr=1e-4),
 }
-WARMUP, WEIGHT_DECAY, EVAL_BATCH = 0.1, 0.01, 64
 N_BEST, MAX_ANSWER = 20, 30  # run_qa's n_best_size and max_answer_length
 
 
@@ -110,35 +107,13 @@ def _files(task: str, work: Path) -> tuple[Path, Path]:
 
 # -------------------------------------------------------------------------------------------------- bertforge
 def _bertforge(args: argparse.Namespace, work: Path, out: Path) -> dict:
-    train, valid = _files(args.task, work)
-    cmd = [
-        sys.executable, "-m", "bertforge.cli", "finetune", "--task", args.task,
-        "--model", args.model, "--data", str(train), "--valid-data", str(valid),
-        "--out", str(out), "--max-length", str(args.max_length),
-        f"--train.batch_size={args.batch_size}", f"--train.epochs={args.epochs}", "--train.evals_per_epoch=1",
-        f"--train.eval_batch_size={EVAL_BATCH}", f"--optim.lr={args.lr}", "--optim.schedule=linear",
-        f"--optim.warmup_fraction={WARMUP}", f"--optim.weight_decay={WEIGHT_DECAY}", "--optim.clip_norm=1.0",
-        f"--train.seed={args.seed}", "--log.progress=false",
-    ]  # fmt: skip
+    cmd = bertforge_command(args, args.task, *_files(args.task, work), out)
     cmd += ["--stride", str(args.stride), "--max-answer-length", str(MAX_ANSWER)] if args.task == QA else []
-    cmd += ["--train.dtype=bfloat16"] if args.bf16 else []
-    print(" ".join(cmd), flush=True)
-    start = time.perf_counter()
-    subprocess.run(cmd, check=True)
-    wall = time.perf_counter() - start
-    summary = json.loads((out / "summary.json").read_text())
-    records = [json.loads(line) for line in (out / "fold-0" / "metrics.jsonl").read_text().splitlines()]
-    steps_s, last = 0.0, 0  # every logged window's mean step time (evaluations excluded) times its steps
-    for r in records:
-        if "step_time" in r:
-            steps_s += (r["step"] - last) * r["step_time"]
-            last = r["step"]
-    fold, found = summary["folds"][0], summary["out_of_fold"]
+    summary, times = run_bertforge(cmd, out)
+    found = summary["out_of_fold"]
     scores = {"score": found["f1"], "exact_match": found["exact_match"]} if args.task == QA else {
         "score": found["accuracy"]}  # fmt: skip
-    return {**scores, "wall_s": wall, "steps_s": steps_s, "eval_s": sum(r.get("eval_seconds", 0.0) for r in records),
-            "best_step": fold["best_step"], "steps": fold["steps"], "train_rows": fold["train_rows"],
-            "valid_rows": fold["valid_rows"]}  # fmt: skip
+    return {**scores, **times}
 
 
 # -------------------------------------------------------------------------------------------- transformers
@@ -147,10 +122,7 @@ def _hf(args: argparse.Namespace, work: Path, out: Path) -> dict:
     cmd += ["--model", args.model, "--max-length", str(args.max_length), "--batch-size", str(args.batch_size)]
     cmd += ["--stride", str(args.stride), "--epochs", str(args.epochs), "--lr", str(args.lr)]
     cmd += ["--seeds", str(args.seed), "--device", args.device] + (["--bf16"] if args.bf16 else [])
-    start = time.perf_counter()
-    subprocess.run(cmd, check=True)
-    wall = time.perf_counter() - start
-    return {**json.loads((out / "result.json").read_text()), "wall_s": wall}
+    return run_worker(cmd, out)
 
 
 def squad_examples(path: Path) -> list[dict]:
@@ -247,34 +219,6 @@ def _mc_setup(tok, work: Path, args: argparse.Namespace):
     return features(work / "train.jsonl"), features(work / "valid.jsonl"), compute, DataCollatorForMultipleChoice(tok)
 
 
-def _training_args(args: argparse.Namespace):
-    from transformers import TrainingArguments
-
-    return TrainingArguments(
-        output_dir=str(args.hf_out),
-        per_device_train_batch_size=args.batch_size,
-        per_device_eval_batch_size=EVAL_BATCH,
-        num_train_epochs=args.epochs,
-        learning_rate=args.lr,
-        weight_decay=WEIGHT_DECAY,
-        warmup_steps=WARMUP,  # below 1: a fraction of the total steps
-        lr_scheduler_type="linear",
-        max_grad_norm=1.0,
-        eval_strategy="epoch",
-        save_strategy="epoch",
-        save_total_limit=1,
-        load_best_model_at_end=True,
-        metric_for_best_model="f1" if args.task == QA else "accuracy",
-        greater_is_better=True,
-        logging_steps=10,
-        report_to="none",
-        use_cpu=args.device == "cpu",
-        bf16=args.bf16,
-        seed=args.seed,
-        dataloader_num_workers=0,
-    )
-
-
 def hf_worker(args: argparse.Namespace) -> None:
     """transformers' Trainer on the work folder's files, the run_qa or run_swag recipe."""
     import torch
@@ -283,7 +227,6 @@ def hf_worker(args: argparse.Namespace) -> None:
         AutoModelForQuestionAnswering,
         AutoTokenizer,
         Trainer,
-        TrainerCallback,
         default_data_collator,
     )
 
@@ -292,16 +235,10 @@ def hf_worker(args: argparse.Namespace) -> None:
     train, valid, compute, collator = (_qa_setup if args.task == QA else _mc_setup)(tok, work, args)
     auto = AutoModelForQuestionAnswering if args.task == QA else AutoModelForMultipleChoice
     model = auto.from_pretrained(args.model, dtype=torch.float32)
-    eval_s = [0.0]
-
-    class Progress(TrainerCallback):
-        def on_log(self, _args, state, _control, logs=None, **kw):
-            eval_s[0] += (logs or {}).get("eval_runtime", 0.0)
-            print(f"step {state.global_step}: {logs}", flush=True)
-
-    trainer = Trainer(model=model, args=_training_args(args), train_dataset=train, eval_dataset=valid,
-                      data_collator=collator or default_data_collator, compute_metrics=compute,
-                      callbacks=[Progress()])  # fmt: skip
+    callback, eval_s = progress()
+    trainer = Trainer(model=model, args=training_args(args, "f1" if args.task == QA else "accuracy"),
+                      train_dataset=train, eval_dataset=valid, data_collator=collator or default_data_collator,
+                      compute_metrics=compute, callbacks=[callback])  # fmt: skip
     start = time.perf_counter()
     trainer.train()
     train_s = time.perf_counter() - start
@@ -371,9 +308,6 @@ def main() -> None:
     if args.render:
         _report(args, name, json.loads((RESULTS / f"{name}.json").read_text())["rows"])
         return
-    rows = []
-    if args.keep:
-        rows = [r for r in json.loads((RESULTS / f"{name}.json").read_text())["rows"] if r["seed"] not in args.seeds]
     work = Path(args.work) / name
     if args.task == QA:
         counts = split_questions(Path(args.data or JGLUE / "jsquad-v1.3/valid-v1.3.json"), work, args.train_fraction)
@@ -381,21 +315,9 @@ def main() -> None:
         counts = split_choices(Path(args.data or JGLUE / "jcommonsenseqa-v1.3"), work, args.train_fraction)
     print(f"split: {counts}", flush=True)
     recipe = "run_qa" if args.task == QA else "run_swag"
-    for seed in args.seeds:
-        args.seed = seed
-        first = len(rows)
-        row = functools.partial(_row, seed=seed, counts=counts)
-        bf_dir, hf_dir = work / f"bertforge-seed{seed}", work / f"transformers-trainer-seed{seed}"
-        for folder in (bf_dir, hf_dir):
-            shutil.rmtree(folder, ignore_errors=True)
-        rows.append(row("bertforge", _bertforge(args, work, bf_dir)))
-        rows.append(row(f"transformers Trainer (PyTorch, {recipe})", _hf(args, work, hf_dir)))
-        print(json.dumps(rows[first:]), flush=True)
+    systems = [("bertforge", _bertforge), (f"transformers Trainer (PyTorch, {recipe})", _hf)]
+    rows = run_seeds(args, name, work, counts, systems)
     _report(args, name, rows)
-
-
-def _row(system: str, result: dict, seed: int, counts: dict) -> dict:
-    return {"system": system, "seed": seed, **counts, **result}
 
 
 def _report(args: argparse.Namespace, name: str, rows: list[dict]) -> None:

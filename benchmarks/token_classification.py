@@ -55,12 +55,9 @@ texts of similar length (data.pool), the Trainer random ones padded to the longe
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import random
-import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -69,10 +66,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).parent))
 
 from finetune_end_to_end import _minilm, _spread, cpu_model  # noqa: E402
+from task_recipe import bertforge_command, progress, run_bertforge, run_seeds, run_worker, training_args  # noqa: E402
 
 DATA = ROOT.parent / "shared/data/ner-wikipedia-ja/ner.json"
 DEFAULTS = dict(max_length=128, batch_size=32, epochs=3.0, lr=1e-4)
-WARMUP, WEIGHT_DECAY, EVAL_BATCH = 0.1, 0.01, 64
 IGNORE = -100  # transformers' label for a token the loss and the metrics skip
 
 
@@ -100,32 +97,9 @@ def split(data: Path, work: Path, fraction: float) -> dict[str, int]:
 
 # -------------------------------------------------------------------------------------------------- bertforge
 def _bertforge(args: argparse.Namespace, work: Path, out: Path) -> dict:
-    cmd = [
-        sys.executable, "-m", "bertforge.cli", "finetune", "--task", "token-classification",
-        "--model", args.model, "--data", str(work / "train.json"), "--valid-data", str(work / "valid.json"),
-        "--out", str(out), "--max-length", str(args.max_length),
-        f"--train.batch_size={args.batch_size}", f"--train.epochs={args.epochs}", "--train.evals_per_epoch=1",
-        f"--train.eval_batch_size={EVAL_BATCH}", f"--optim.lr={args.lr}", "--optim.schedule=linear",
-        f"--optim.warmup_fraction={WARMUP}", f"--optim.weight_decay={WEIGHT_DECAY}", "--optim.clip_norm=1.0",
-        f"--train.seed={args.seed}", "--log.progress=false",
-    ]  # fmt: skip
-    cmd += ["--train.dtype=bfloat16"] if args.bf16 else []
-    print(" ".join(cmd), flush=True)
-    start = time.perf_counter()
-    subprocess.run(cmd, check=True)
-    wall = time.perf_counter() - start
-    summary = json.loads((out / "summary.json").read_text())
-    records = [json.loads(line) for line in (out / "fold-0" / "metrics.jsonl").read_text().splitlines()]
-    # Time in training steps: every logged window's mean step time (evaluations excluded) times its steps.
-    steps_s, last = 0.0, 0
-    for r in records:
-        if "step_time" in r:
-            steps_s += (r["step"] - last) * r["step_time"]
-            last = r["step"]
-    fold = summary["folds"][0]
-    return {"score": summary["out_of_fold"]["f1"], "wall_s": wall, "steps_s": steps_s,
-            "eval_s": sum(r.get("eval_seconds", 0.0) for r in records), "best_step": fold["best_step"],
-            "steps": fold["steps"], "train_rows": fold["train_rows"], "valid_rows": fold["valid_rows"]}  # fmt: skip
+    cmd = bertforge_command(args, "token-classification", work / "train.json", work / "valid.json", out)
+    summary, times = run_bertforge(cmd, out)
+    return {"score": summary["out_of_fold"]["f1"], **times}
 
 
 # -------------------------------------------------------------------------------------------- transformers
@@ -134,10 +108,7 @@ def _hf(args: argparse.Namespace, work: Path, out: Path) -> dict:
     cmd += ["--model", args.model, "--max-length", str(args.max_length), "--batch-size", str(args.batch_size)]
     cmd += ["--epochs", str(args.epochs), "--lr", str(args.lr), "--seeds", str(args.seed), "--device", args.device]
     cmd += ["--bf16"] if args.bf16 else []
-    start = time.perf_counter()
-    subprocess.run(cmd, check=True)
-    wall = time.perf_counter() - start
-    return {**json.loads((out / "result.json").read_text()), "wall_s": wall}
+    return run_worker(cmd, out)
 
 
 def _trimmed(text: str, start: int, end: int) -> tuple[int, int] | None:
@@ -212,37 +183,6 @@ def _seqeval(names: list[str]):
     return compute
 
 
-def _training_args(args: argparse.Namespace):
-    from transformers import TrainingArguments
-
-    return TrainingArguments(
-        output_dir=str(args.hf_out),
-        per_device_train_batch_size=args.batch_size,
-        per_device_eval_batch_size=EVAL_BATCH,
-        num_train_epochs=args.epochs,
-        learning_rate=args.lr,
-        weight_decay=WEIGHT_DECAY,
-        warmup_steps=WARMUP,  # below 1: a fraction of the total steps
-        lr_scheduler_type="linear",
-        adam_beta1=0.9,
-        adam_beta2=0.999,
-        adam_epsilon=1e-8,
-        max_grad_norm=1.0,
-        eval_strategy="epoch",
-        save_strategy="epoch",
-        save_total_limit=1,
-        load_best_model_at_end=True,
-        metric_for_best_model="f1",
-        greater_is_better=True,
-        logging_steps=10,
-        report_to="none",
-        use_cpu=args.device == "cpu",
-        bf16=args.bf16,
-        seed=args.seed,
-        dataloader_num_workers=0,
-    )
-
-
 def hf_worker(args: argparse.Namespace) -> None:
     """transformers' Trainer on the work folder's train.json and valid.json, the run_ner recipe."""
     import torch
@@ -251,7 +191,6 @@ def hf_worker(args: argparse.Namespace) -> None:
         AutoTokenizer,
         DataCollatorForTokenClassification,
         Trainer,
-        TrainerCallback,
     )
 
     work = Path(args.work)
@@ -266,21 +205,15 @@ def hf_worker(args: argparse.Namespace) -> None:
     model = AutoModelForTokenClassification.from_pretrained(
         args.model, num_labels=len(names), id2label=dict(enumerate(names)), label2id=label2id, dtype=torch.float32
     )
-    eval_s = [0.0]
-
-    class Progress(TrainerCallback):
-        def on_log(self, _args, state, _control, logs=None, **kw):
-            eval_s[0] += (logs or {}).get("eval_runtime", 0.0)
-            print(f"step {state.global_step}: {logs}", flush=True)
-
+    callback, eval_s = progress()
     trainer = Trainer(
         model=model,
-        args=_training_args(args),
+        args=training_args(args, "f1"),
         train_dataset=train,
         eval_dataset=valid,
         data_collator=DataCollatorForTokenClassification(tok),
         compute_metrics=_seqeval(names),
-        callbacks=[Progress()],
+        callbacks=[callback],
     )
     start = time.perf_counter()
     trainer.train()
@@ -347,27 +280,12 @@ def main() -> None:
     if args.render:
         _report(args, name, json.loads((RESULTS / f"{name}.json").read_text())["rows"])
         return
-    rows = []
-    if args.keep:
-        rows = [r for r in json.loads((RESULTS / f"{name}.json").read_text())["rows"] if r["seed"] not in args.seeds]
     work = Path(args.work) / name
     counts = split(Path(args.data), work, args.train_fraction)
     print(f"split: {counts}", flush=True)
-    for seed in args.seeds:
-        args.seed = seed
-        first = len(rows)
-        row = functools.partial(_row, seed=seed, counts=counts)
-        bf_dir, hf_dir = work / f"bertforge-seed{seed}", work / f"transformers-trainer-seed{seed}"
-        for folder in (bf_dir, hf_dir):
-            shutil.rmtree(folder, ignore_errors=True)
-        rows.append(row("bertforge", _bertforge(args, work, bf_dir)))
-        rows.append(row("transformers Trainer (PyTorch, run_ner)", _hf(args, work, hf_dir)))
-        print(json.dumps(rows[first:]), flush=True)
+    systems = [("bertforge", _bertforge), ("transformers Trainer (PyTorch, run_ner)", _hf)]
+    rows = run_seeds(args, name, work, counts, systems)
     _report(args, name, rows)
-
-
-def _row(system: str, result: dict, seed: int, counts: dict) -> dict:
-    return {"system": system, "seed": seed, **counts, **result}
 
 
 def _report(args: argparse.Namespace, name: str, rows: list[dict]) -> None:
