@@ -56,7 +56,7 @@ def lines(path: Path, n: int = 1000) -> list[str]:
     return [line for line in path.read_text("utf-8").splitlines() if line][:n]
 
 
-@pytest.mark.parametrize("kind", ["unigram", "wordlevel"])
+@pytest.mark.parametrize("kind", ["unigram", pytest.param("wordlevel", marks=pytest.mark.slow)])  # `make slow`
 def test_japanese_tokenizers_pretrain_fill_a_mask_and_load_in_transformers(kind, corpora, tmp_path):
     raw, spaced = corpora
     text = raw if kind == "unigram" else spaced

@@ -78,7 +78,9 @@ MODERNBERT = {"preset": "test", "family": "modernbert", "intermediate_size": 48,
 
 # BERT with dropout on: its masks are a function of the step's key, not of how the batch is laid out.
 @pytest.mark.parametrize(
-    "model", [{"hidden_dropout": 0.1, "attention_dropout": 0.1}, MODERNBERT], ids=["bert", "modernbert"]
+    "model",
+    [{"hidden_dropout": 0.1, "attention_dropout": 0.1}, pytest.param(MODERNBERT, marks=pytest.mark.slow)],
+    ids=["bert", "modernbert"],  # modernbert: `make slow`
 )
 def test_eight_devices_give_the_losses_of_one(shards, tmp_path, model):
     one = config(shards, model=model, mesh={"num_devices": 1})
@@ -183,6 +185,7 @@ def test_with_a_shared_clock_a_time_budget_ends_alike_whatever_the_local_clock()
     assert steps_and_rates(0.0) == expected
 
 
+@pytest.mark.slow  # `make slow`; the fast suite keeps fine-tuning's accumulation test
 def test_accumulation_gives_the_update_of_the_large_batch(shards, tmp_path):
     # Without dropout, 4 micro-batches of 8 are the batch of 32 cut in four.
     big = config(shards, train={"global_batch": 32, "max_steps": 6})

@@ -78,7 +78,7 @@ def hf_checkpoint(family: str, tokenizer_dir: Path, out: Path) -> Path:
     return out
 
 
-@pytest.mark.parametrize("family", ["bert", "modernbert"])
+@pytest.mark.parametrize("family", [pytest.param("bert", marks=pytest.mark.slow), "modernbert"])  # bert: `make slow`
 def test_continued_pretraining_starts_at_the_loss_transformers_gives_on_the_same_masked_batch(
     family, shards, wordpiece_dir, tmp_path
 ):
