@@ -10,13 +10,14 @@ from typing import Any
 
 import numpy as np
 
-from bertforge.data.batching import EncodedChoices
+from bertforge.data.batching import EncodedChoices, choices_of
 from bertforge.data.choices import Choices, choice_texts, read_choices
 from bertforge.data.labelled import Table, TableConfig
 from bertforge.errors import UserError
 from bertforge.finetuning import tables
 from bertforge.finetuning.columns import numbers
 from bertforge.tokenizer.load import Tokenizer
+from bertforge.train.metrics import softmax
 
 NAME = "multiple-choice"
 HEAD = "choice"
@@ -81,7 +82,7 @@ def rows(data: Offered, tokenizer: Tokenizer, cfg: TableConfig, limit: int) -> T
 def run_info(table: Table, cfg: TableConfig) -> dict[str, Any]:
     """The choices per question, and the column read as each question's context."""
     assert table.encs is not None
-    return {"choices": len(table.encs[0].options), "context_column": cfg.context_column}
+    return {"choices": choices_of(table.encs), "context_column": cfg.context_column}
 
 
 def strata(table: Table, bins: int) -> np.ndarray | None:
@@ -98,18 +99,12 @@ def column_names(labels: list[str], run: dict[str, Any]) -> list[str]:
     return names_of(int(run.get("choices", 0)))
 
 
-def probabilities(outputs: np.ndarray) -> np.ndarray:
-    """(N, C) scores -> (N, C) softmax over the choices."""
-    z = np.exp(outputs - outputs.max(axis=1, keepdims=True))
-    return z / z.sum(axis=1, keepdims=True)
-
-
 def prediction_columns(
     names: Sequence[str], outputs: np.ndarray, beside_truth: bool
 ) -> tuple[list[str], list[list[Any]]]:
     """The chosen choice's index ('label', or 'prediction' beside the true label) and each choice's probability."""
     header = ["prediction" if beside_truth else "label", *(f"probability_{n}" for n in names)]
-    values = numbers(probabilities(np.asarray(outputs, np.float64)))
+    values = numbers(softmax(np.asarray(outputs, np.float64), axis=1))
     return header, [[int(np.argmax(o)), *v] for o, v in zip(outputs, values, strict=True)]
 
 

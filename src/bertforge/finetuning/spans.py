@@ -12,6 +12,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from bertforge.train.metrics import softmax
+
 
 @dataclasses.dataclass(frozen=True)
 class Span:
@@ -66,8 +68,7 @@ def question_spans(
     if not spans:
         return [Span("", -1, 0.0, 1.0)]
     scores = np.array([s.score for s in spans])
-    probs = np.exp(scores - scores.max())
-    probs /= probs.sum()
+    probs = softmax(scores)
     return [dataclasses.replace(s, probability=float(p)) for s, p in zip(spans, probs, strict=True)]
 
 

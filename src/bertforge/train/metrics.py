@@ -57,6 +57,12 @@ def _f1(pred: np.ndarray, positive: np.ndarray) -> float:
     return 2 * tp / (2 * tp + fp + fn) if tp + fp + fn > 0 else 0.0
 
 
+def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    """Probabilities of scores along `axis`, the largest subtracted first so that exp cannot overflow."""
+    z = np.exp(x - x.max(axis=axis, keepdims=True))
+    return z / z.sum(axis=axis, keepdims=True)
+
+
 def classification(logits: np.ndarray, labels: np.ndarray) -> dict[str, float]:
     """logits (N, C), integer labels (N,): accuracy; F1 of class 1 (C == 2) or macro F1; AUC (one-vs-rest)."""
     logits, labels = np.asarray(logits, np.float64), np.asarray(labels)
@@ -67,8 +73,7 @@ def classification(logits: np.ndarray, labels: np.ndarray) -> dict[str, float]:
         auc = binary_auc(logits[:, 1] - logits[:, 0], labels == 1)
     else:
         f1 = float(np.mean([_f1(pred == j, labels == j) for j in range(c)]))
-        probs = np.exp(logits - logits.max(axis=1, keepdims=True))
-        probs /= probs.sum(axis=1, keepdims=True)  # one-vs-rest ranks probabilities, as is usual
+        probs = softmax(logits, axis=1)  # one-vs-rest ranks probabilities, as is usual
         aucs = [binary_auc(probs[:, j], labels == j) for j in range(c)]
         auc = float(np.nanmean(aucs)) if not np.all(np.isnan(aucs)) else float("nan")
     return {"accuracy": float(np.mean(pred == labels)), "f1": f1, "auc": auc}
