@@ -124,3 +124,13 @@ def test_tokenizer_json_that_is_not_json(tmp_path):
     (tmp_path / "tokenizer.json").write_text("{ not json")
     with pytest.raises(UserError, match=r"tokenizer.json: not a valid tokenizer file"):
         Tokenizer.load(tmp_path)
+
+
+@pytest.mark.parametrize("lowercase", [False, True])
+def test_continuation_pieces_are_those_of_the_pre_tokenized_words(corpus, lowercase):
+    from bertforge.tokenizer.train import build_untrained, continuation_pieces
+
+    lines = lines_of(corpus, 3000) + ["Ünïcödé ÀÉÎ naïve façade", "東京タワーは333m。", "x#y ##z a-b", "ﬁne Σίσυφος"]
+    tok, _ = build_untrained("wordpiece", "bert", lowercase)
+    words = [w for line in lines for w, _ in tok.pre_tokenizer.pre_tokenize_str(tok.normalizer.normalize_str(line))]
+    assert continuation_pieces(lines, "bert", lowercase) == sorted({f"##{c}" for w in words for c in w[1:]})

@@ -56,20 +56,41 @@ def scratch() -> Path:
 
 
 # ------------------------------------------------------------------------------------------------------ corpora
+# WordPiece (tokenizers' trainer), and Unigram from a sample (SentencePiece's trainer), on any bytes.
+@pytest.mark.parametrize("trainer", [[], ["--type", "unigram", "--sample-lines", "7"]])
 @given(data=st.binary(max_size=3000))
 @example(data=b"\xff\xfe\x00\x00not utf-8\n")
 @example(data=b"\xef\xbb\xbfBOM first\n\nsecond doc\x00with NUL\n")
-def test_tokenizer_training_on_any_bytes(data, capsys, tally):
+@example(data="日本語の文です。\n".encode() * 40 + b"\x1f\x8b\x08 gzip magic inside\n")
+def test_tokenizer_training_on_any_bytes(trainer, data, capsys, tally):
     tally("hostile")
     tmp = scratch()
     (tmp / "corpus.txt").write_bytes(data)
-    argv = ["tokenizer", "train", "--files", str(tmp / "corpus.txt"), "--vocab-size", "120", "--out", str(tmp / "t")]
+    argv = ["tokenizer", "train", "--files", str(tmp / "corpus.txt"), "--vocab-size", "120", "--out", str(tmp / "t"),
+            *trainer]  # fmt: skip
     code, err = outcome(argv, capsys)
     if code == 0:
         tok = Tokenizer.load(tmp / "t")
         assert tok.tokenize_ids([data.decode("utf-8", "replace")])
     else:
         assert str(tmp / "corpus.txt") in err and not (tmp / "t" / "tokenizer.json").exists()
+    shutil.rmtree(tmp)
+
+
+@pytest.mark.parametrize("cut", [0.0, 0.5, 0.95])
+def test_a_damaged_compressed_corpus_is_one_line(cut, capsys, tally):
+    tally("hostile")
+    import gzip
+
+    tmp = scratch()
+    whole = gzip.compress("".join(f"line {i} of a corpus, {i * 7919 % 1000}\n" for i in range(5000)).encode())
+    (tmp / "corpus.txt.gz").write_bytes(b"not gzip at all\n" if cut == 0 else whole[: int(len(whole) * cut)])
+    for kind in ("wordpiece", "unigram"):
+        argv = ["tokenizer", "train", "--files", str(tmp / "corpus.txt.gz"), "--type", kind, "--vocab-size", "120",
+                "--out", str(tmp / "t")]  # fmt: skip
+        code, err = outcome(argv, capsys)
+        assert code == 2 and f"{tmp / 'corpus.txt.gz'}: cannot be read" in err, err
+        assert not (tmp / "t").exists()
     shutil.rmtree(tmp)
 
 

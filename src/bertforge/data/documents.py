@@ -7,7 +7,9 @@ whole: memory stays flat however large the files.
 from __future__ import annotations
 
 import json
+import lzma
 import re
+import zlib
 from collections.abc import Iterator, Sequence
 from typing import Literal, get_args
 
@@ -65,15 +67,20 @@ def _lines(path: str) -> Iterator[tuple[int, str]]:
         fh = fsspec.open(path, "rb", compression="infer").open()
     except (OSError, ValueError) as e:
         raise UserError(f"{path}: cannot be read ({e})") from None
+    lineno = 0
     with fh:
-        for lineno, raw in enumerate(fh, 1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise UserError(f"{path}: line {lineno} is not UTF-8 text (byte {e.start} of the line)") from None
-            if lineno == 1:
-                line = line.removeprefix("\ufeff")
-            yield lineno, line.rstrip("\r\n")
+        try:
+            for lineno, raw in enumerate(fh, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise UserError(f"{path}: line {lineno} is not UTF-8 text (byte {e.start} of the line)") from None
+                if lineno == 1:
+                    line = line.removeprefix("\ufeff")
+                yield lineno, line.rstrip("\r\n")
+        except (OSError, EOFError, zlib.error, lzma.LZMAError) as e:  # a damaged or truncated compressed file
+            where = f" past line {lineno}" if lineno else ""
+            raise UserError(f"{path}: cannot be read{where} ({e})") from None
 
 
 def _text_documents(path: str, doc_per_line: bool) -> Iterator[str]:
