@@ -34,8 +34,11 @@ lint: dev
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
+# The suite on TEST_WORKERS processes (pytest-xdist); then the timed kills (marked serial) alone.
+TEST_WORKERS ?= 2
 test: dev lint
-	$(BIN)/python -m pytest -m "not slow" --durations=30
+	$(BIN)/python -m pytest -m "not slow and not serial" -n $(TEST_WORKERS) --durations=30
+	$(BIN)/python -m pytest -m "serial and not slow" --durations=10
 
 # The checks too long for every run (marked slow): more multi-host faults, the benchmarks' smoke runs, more seeds.
 slow: dev

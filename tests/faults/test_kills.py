@@ -17,6 +17,10 @@ from test_pretrain import losses, params_of
 
 from bertforge.train.checkpoint import damage
 
+# The kills are timed against an uninterrupted run: `make test` runs these alone, after the rest, so that another
+# test's load does not change the time a run takes between the reference and the kill.
+pytestmark = pytest.mark.serial
+
 PRETRAIN = ["--model.preset=test", "--train.global_batch=16", "--train.max_steps=30", "--optim.lr=3e-3",
             "--checkpoint.every=4", "--eval.every=10", "--log.every=1", "--log.tensorboard=false"]  # fmt: skip
 
