@@ -23,7 +23,16 @@ from tokenizers import Tokenizer as HfTokenizer
 
 from bertforge.errors import UserError
 from bertforge.tokenizer.load import STYLES, vocab_order
-from bertforge.tokenizer.spm import BYTE, CONTROL, METASPACE, UNKNOWN, USER_DEFINED, SpmModel, parse_spm
+from bertforge.tokenizer.spm import (
+    BYTE,
+    CONTROL,
+    METASPACE,
+    UNIGRAM,
+    UNKNOWN,
+    USER_DEFINED,
+    SpmModel,
+    parse_spm,
+)
 
 # SentencePiece's EM sums over one share of the text per thread, so the thread count changes the scores' last
 # digits; a fixed count trains the same tokenizer on every machine.
@@ -107,7 +116,7 @@ def _trainer_error(message: str, vocab_size: int, opts: SpmOptions) -> str:
 def to_tokenizer(data: bytes, style: str) -> HfTokenizer:
     """The `tokenizers` pipeline that encodes as SentencePiece does with the model `data`."""
     model = parse_spm(data)
-    if model.model_type == 1:
+    if model.model_type == UNIGRAM:
         vocab = [(p.piece, 0.0 if p.type in (CONTROL, UNKNOWN) else p.score) for p in model.pieces]
         tok = HfTokenizer(models.Unigram(vocab, unk_id=model.unk_id, byte_fallback=model.byte_fallback))
     else:

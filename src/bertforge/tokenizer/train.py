@@ -124,7 +124,7 @@ def train_tokenizer(
     if kind in ("wordpiece", "wordlevel"):
         _refuse_spm_options(kind, character_coverage is not None or byte_fallback or max_piece_length != 16)
     corpus, spm_model, where = open_corpus(files, sample_lines, seed, show_progress), b"", ", ".join(files)
-    cjk = mostly_cjk(corpus.head())
+    cjk = kind in ("unigram", "bpe") and mostly_cjk(corpus.head())  # the coverage default and BPE's trainer
     if kind == "unigram" or (kind == "bpe" and cjk):
         if kind == "bpe":
             print("text mostly without spaces: BPE trained by SentencePiece ('▁' word marks, not byte-level)",
