@@ -10,7 +10,7 @@ SentencePiece as its Python users call it (`SentencePieceTrainer.train(input=...
 `tokenizers` as its documentation trains (`Tokenizer.train(files, trainer)`). Above `--sample-above` MB,
 bertforge trains on `--sample-lines` lines and SentencePiece on as many (its `input_sentence_size`, which samples
 as it reads); `tokenizers` has no sampling and reads everything. `tokenizers`' Unigram is run only where it fits
-in memory (`--hf-unigram-max-mb`): on text without spaces it holds every substring of every line.
+in memory (HF_UNIGRAM_MAX_MB): on text without spaces it holds every substring of every line.
 
 For each Unigram tokenizer, `tokens/kchar` is the number of pieces per 1,000 characters of 2,000 lines of the
 corpus: the two SentencePiece-trained tokenizers should cut text alike.
@@ -25,6 +25,7 @@ import itertools
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -33,6 +34,7 @@ from pathlib import Path
 import report
 
 VENV_BIN = Path(sys.executable).parent
+HF_UNIGRAM_MAX_MB = {"ja": 10, "en": 10}  # the largest corpus `tokenizers`' Unigram trainer runs on
 
 
 def japanese_sentences(data: Path) -> list[str]:
@@ -122,7 +124,7 @@ def timed(cmd: list[str], limit: float) -> dict:
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        out, err = proc.communicate(timeout=limit)
+        _, err = proc.communicate(timeout=limit)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.communicate()
@@ -136,7 +138,7 @@ def timed(cmd: list[str], limit: float) -> dict:
 
 
 PEAK_WRAPPER = (
-    "import os, resource, subprocess, sys\n"
+    "import resource, subprocess, sys\n"
     "code = subprocess.call(sys.argv[1:])\n"
     "print(f'PEAK_KB {resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss}', file=sys.stderr)\n"
     "sys.exit(code)\n"
@@ -149,10 +151,10 @@ def _peak_from(err: str) -> float | None:
 
 
 # ---------------------------------------------------------------------------------------------------- the parent
-def plan(lang: str, mb: int, args: argparse.Namespace) -> list[tuple[str, str]]:
+def plan(lang: str, mb: int) -> list[tuple[str, str]]:
     """(implementation, type) pairs to run on one corpus."""
     runs = [("bertforge", "unigram"), ("sentencepiece", "unigram")]
-    if mb <= args.hf_unigram_max_mb[lang]:
+    if mb <= HF_UNIGRAM_MAX_MB[lang]:
         runs.append(("tokenizers", "unigram"))
     return runs + [("bertforge", "wordpiece"), ("tokenizers", "wordpiece")]
 
@@ -176,9 +178,9 @@ def run_all(args: argparse.Namespace) -> list[dict]:
         for mb in args.sizes:
             corpus = build_corpus(*units[lang], mb, work / f"{lang}{mb}.txt")
             sample = args.sample_lines if mb > args.sample_above else 0
-            for impl, kind in plan(lang, mb, args):
+            for impl, kind in plan(lang, mb):
                 out = work / f"out-{lang}{mb}-{impl}-{kind}"
-                subprocess.run(["rm", "-rf", str(out)], check=True)
+                shutil.rmtree(out, ignore_errors=True)
                 out.mkdir()
                 cmd = command(impl, kind, corpus, lang, sample if impl != "tokenizers" else 0, args, out)
                 result = timed([sys.executable, "-c", PEAK_WRAPPER, *cmd], args.limit)
@@ -224,7 +226,6 @@ def main() -> None:
     if args.impl:
         child(args)
         return
-    args.hf_unigram_max_mb = {"ja": 10, "en": 10}
     rows = run_all(args)
     title = (
         f"Tokenizer training, vocabulary {args.vocab:,}, {os.cpu_count()} cores: wall seconds and peak memory of "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from bertforge.tokenizer.load import Style, Tokenizer
-from bertforge.tokenizer.spm_train import THREADS
+from bertforge.tokenizer.spm_train import MAX_PIECE_LENGTH, THREADS
 from bertforge.tokenizer.train import Kind, train_tokenizer
 
 
@@ -22,7 +22,7 @@ class TokenizerTrainConfig:
     sample_lines: int = 0  # train on this many lines drawn from all files (0: every line)
     seed: int = 0  # the sample's seed
     character_coverage: float | None = None  # share of characters kept (default 0.9995 for CJK text, else 1)
-    max_piece_length: int = 16  # the longest piece, in characters
+    max_piece_length: int = MAX_PIECE_LENGTH  # the longest piece, in characters
     byte_fallback: bool = False  # unknown characters as their UTF-8 bytes instead of [UNK]
     user_symbols: tuple[str, ...] = ()  # strings always kept as one token
     threads: int = THREADS  # SentencePiece's threads; the same count gives the same tokenizer on any machine

@@ -37,6 +37,7 @@ from bertforge.tokenizer.spm import (
 # SentencePiece's EM sums over one share of the text per thread, so the thread count changes the scores' last
 # digits; a fixed count trains the same tokenizer on every machine.
 THREADS = 16
+MAX_PIECE_LENGTH = 16  # SentencePiece's own default
 # The trained model, written beside tokenizer.json (not spm.model: that name is read as DeBERTa's).
 SPM_MODEL_FILE = "sentencepiece.model"
 
@@ -44,7 +45,7 @@ SPM_MODEL_FILE = "sentencepiece.model"
 @dataclasses.dataclass(frozen=True)
 class SpmOptions:
     character_coverage: float = 1.0
-    max_piece_length: int = 16
+    max_piece_length: int = MAX_PIECE_LENGTH
     byte_fallback: bool = False
     user_symbols: tuple[str, ...] = ()
     threads: int = THREADS

@@ -29,7 +29,14 @@ from bertforge.errors import UserError
 from bertforge.fileio import write_atomic
 from bertforge.tokenizer.corpus import ReadStats, mostly_cjk, read_lines, reservoir
 from bertforge.tokenizer.load import STYLES, Tokenizer, post_processor, vocab_order
-from bertforge.tokenizer.spm_train import SPM_MODEL_FILE, THREADS, SpmOptions, to_tokenizer, train_model
+from bertforge.tokenizer.spm_train import (
+    MAX_PIECE_LENGTH,
+    SPM_MODEL_FILE,
+    THREADS,
+    SpmOptions,
+    to_tokenizer,
+    train_model,
+)
 
 # A vocabulary the text fills less than this share of is an error: the wrong file, or a sample far too small.
 MIN_FILL = 0.125
@@ -109,7 +116,7 @@ def train_tokenizer(
     sample_lines: int = 0,
     seed: int = 0,
     character_coverage: float | None = None,
-    max_piece_length: int = 16,
+    max_piece_length: int = MAX_PIECE_LENGTH,
     byte_fallback: bool = False,
     user_symbols: Sequence[str] = (),
     threads: int = THREADS,
@@ -121,8 +128,9 @@ def train_tokenizer(
     word-level and byte-level BPE by `tokenizers`."""
     style = style or ("roberta" if kind == "bpe" else "bert")
     _check_options(kind, style, vocab_size, sample_lines, character_coverage, max_piece_length, threads)
-    if kind in ("wordpiece", "wordlevel"):
-        _refuse_spm_options(kind, character_coverage is not None or byte_fallback or max_piece_length != 16)
+    spm_options_given = character_coverage is not None or byte_fallback or max_piece_length != MAX_PIECE_LENGTH
+    if kind in ("wordpiece", "wordlevel"):  # refused before any reading; BPE once its text's script is known
+        _refuse_spm_options(kind, spm_options_given)
     corpus, spm_model, where = open_corpus(files, sample_lines, seed, show_progress), b"", ", ".join(files)
     cjk = kind in ("unigram", "bpe") and mostly_cjk(corpus.head())  # the coverage default and BPE's trainer
     if kind == "unigram" or (kind == "bpe" and cjk):
@@ -134,7 +142,7 @@ def train_tokenizer(
         spm_model = train_model(corpus.lines(), kind, vocab_size, style, lowercase, opts, where)
         tok = to_tokenizer(spm_model, style)
     else:
-        _refuse_spm_options(kind, character_coverage is not None or byte_fallback or max_piece_length != 16)
+        _refuse_spm_options(kind, spm_options_given)
         tok = _train_with_tokenizers(corpus, kind, vocab_size, style, lowercase, min_frequency)
         tok.add_tokens([AddedToken(t, normalized=False) for t in user_symbols])
     print(corpus.stats.line(len(corpus.sample) if corpus.sample is not None else None), file=sys.stderr)
