@@ -11,6 +11,7 @@ The Python API mirrors the command line:
     bertforge.predict("run", ["a text"])              # the mean of the run's fold models
     bertforge.labels("run")                           # the names of predict's columns
     bertforge.entities("ner-run", ["a text"])         # a token-classification run's entities per text
+    bertforge.embed("sentence-folder", ["a text"])    # (N, D) vectors of an embedding model
     bertforge.save(pre.model, "export/", pre.tokenizer)
 """
 
@@ -40,6 +41,7 @@ _API = {
     "predict": ("bertforge.api", "predict"),
     "labels": ("bertforge.api", "labels"),
     "entities": ("bertforge.api", "entities"),
+    "embed": ("bertforge.api", "embed"),
     "finetune": ("bertforge.api", "finetune"),
     "pretrain": ("bertforge.api", "pretrain"),
 }

@@ -84,6 +84,25 @@ def entities(
     return found
 
 
+def embed(
+    model: str | os.PathLike | Pretrained,
+    texts: Sequence[str],
+    batch_size: int = 64,
+    max_length: int | None = None,
+    dtype: str | None = None,
+) -> np.ndarray:
+    """(N, D) float32 vectors of `texts` by an embedding model (a sentence-transformers folder, an embedding
+    fine-tuning run of one fold) or any encoder (the mean of its tokens), as `bertforge embed` writes them;
+    dtype='bfloat16' computes in bfloat16."""
+    from bertforge.tasks import embed as task
+
+    if isinstance(model, Pretrained):
+        pre, settings = model, {}
+    else:
+        pre, settings = task.load_embedder(str(model), dtype)
+    return task.embed(pre, list(texts), batch_size, max_length or settings.get("max_length"))
+
+
 def labels(model: str | os.PathLike | Pretrained) -> list[str]:
     """The names of predict's output columns: class names, or target names for regression."""
     if not isinstance(model, Pretrained):

@@ -13,7 +13,7 @@ from collections.abc import Collection, Sequence
 from typing import Any
 
 from bertforge.errors import StorageError, UserError, failed_collective, storage_problem
-from bertforge.flags import Alias, Command, Formatter, Parser, add_flags, build_config, options
+from bertforge.flags import Alias, Command, Formatter, Parser, Version, add_flags, build_config, options
 
 
 def _model_keys(args: argparse.Namespace) -> list[str]:
@@ -112,6 +112,14 @@ def _predict(cfg: Any, args: argparse.Namespace) -> int:
     return 0
 
 
+def _embed(cfg: Any, args: argparse.Namespace) -> int:
+    from bertforge.tasks import embed
+
+    vectors = embed.main(cfg)
+    print(f"wrote {vectors.shape[0]} vectors of {vectors.shape[1]} values -> {cfg.out}")
+    return 0
+
+
 def _finetune(cfg: Any, args: argparse.Namespace) -> int:
     from bertforge.runtime.devices import initialize_distributed
     from bertforge.tasks import finetune
@@ -159,6 +167,7 @@ def _demo(cfg: Any, args: argparse.Namespace) -> int:
 _DATA_FLAGS = ("text_column", "text_pair_column", "id_column", "group_column", "error_column", "max_length",
                "truncation", "quoted_tsv", "tag_scheme", "label_all_tokens", "stride", "long_text",
                "window_pool", "max_question_length", "max_answer_length", "context_column")  # fmt: skip
+_DATA_LISTS = ("target_columns", "negative_columns")  # flags of a comma-separated list, named in the singular
 
 GROUPS = {"tokenizer": "train a tokenizer"}
 COMMANDS: dict[str, Command] = {
@@ -215,15 +224,18 @@ COMMANDS: dict[str, Command] = {
         _predict,
         aliases={"--data-format": "format"},
     ),
+    "embed": Command(
+        "a vector per text, by an embedding model or any encoder", "bertforge.tasks.embed:EmbedConfig", _embed
+    ),
     "finetune": Command(
-        "fine-tune a sequence, token, span or choice head with k folds; the same command again resumes",
+        "fine-tune a sequence, token, span, choice or embedding model with k folds; the same command again resumes",
         "bertforge.tasks.finetune:FinetuneConfig",
         _finetune,
         "Overrides such as --optim.lr=3e-5 --train.epochs=5 --head.pooling=mean follow the flags.",
         aliases={
             "--data": "data.train",
             "--valid-data": "data.valid",
-            "--target-column": Alias("data.target_columns", sep=","),
+            **{f"--{key[:-1].replace('_', '-')}": Alias(f"data.{key}", sep=",") for key in _DATA_LISTS},
             "--task": "head.task",
             "--folds": "folds.k",
             "--fold": "folds.run",
@@ -260,19 +272,6 @@ COMMANDS: dict[str, Command] = {
 }
 
 
-class _Version(argparse.Action):
-    """--version: prints `bertforge X.Y.Z` and exits; the version is looked up only when asked for."""
-
-    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
-        super().__init__(option_strings, dest, nargs=0, help="print the version and exit")
-
-    def __call__(self, parser: argparse.ArgumentParser, *args: Any) -> None:
-        from bertforge import version
-
-        print(f"bertforge {version()}")
-        parser.exit()
-
-
 ALLOCATOR_NOTE = (
     "When JAX runs on the CPU, the command runs itself again once at start-up with glibc allocator tunables "
     "(GLIBC_TUNABLES) that keep the memory XLA frees between steps; they were measured to help XLA's CPU runtime "
@@ -288,7 +287,7 @@ def build_parser(commands: Collection[str] | None = None) -> argparse.ArgumentPa
         description="Pretrain and fine-tune BERT-family models with JAX on TPU, GPU or CPU.",
         epilog=ALLOCATOR_NOTE,
     )
-    parser.add_argument("--version", action=_Version)
+    parser.add_argument("--version", action=Version)
     sub = parser.add_subparsers(dest="command", required=True)
     groups: dict[str, Any] = {}
     for name, command in COMMANDS.items():

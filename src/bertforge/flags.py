@@ -309,3 +309,16 @@ def build_config(args: argparse.Namespace, extra: Sequence[str]) -> tuple[Any, d
         return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in given.items()}), given
     except ValueError as e:  # the config's own checks
         raise UserError(str(e)) from None
+
+
+class Version(argparse.Action):
+    """--version: prints `bertforge X.Y.Z` and exits; the version is looked up only when asked for."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, help="print the version and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any) -> None:
+        from bertforge import version
+
+        print(f"bertforge {version()}")
+        parser.exit()

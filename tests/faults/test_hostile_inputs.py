@@ -4,6 +4,7 @@ runs many more examples than CI)."""
 
 from __future__ import annotations
 
+import csv
 import json
 import resource
 import shutil
@@ -227,6 +228,42 @@ def test_any_bytes_as_a_training_table(data, model_dir, capsys, tally):
     if code == 2:
         assert str(tmp / "train.csv") in err or "fewer rows" in err, err
         assert not (tmp / "run" / "summary.json").exists()
+    shutil.rmtree(tmp)
+
+
+@given(data=st.binary(max_size=2000), scored=st.booleans())
+@example(data=b"query,passage,score\nq,p,nan\n", scored=True)
+@example(data=b'query,passage,score\n"a\nb",\xc3\x28,1\n', scored=False)
+def test_any_bytes_as_a_pair_table(data, scored, tally):
+    from bertforge.data.labelled import TableConfig
+    from bertforge.errors import UserError
+    from bertforge.finetuning import pairs
+
+    tally("hostile")
+    tmp = scratch()
+    (tmp / "pairs.csv").write_bytes(data)
+    cfg = TableConfig(text_column="query", text_pair_column="passage", target_columns=("score",))
+    try:
+        table = pairs.read(str(tmp / "pairs.csv"), cfg, scored)
+        assert len(table) and all(t.strip() for row in table.source.texts for t in row)
+        assert np.all(np.isfinite(table.targets))
+    except UserError as e:
+        assert str(e).startswith(f"{tmp / 'pairs.csv'}: ") and "\n" not in str(e), str(e)
+    shutil.rmtree(tmp)
+
+
+@given(texts=st.lists(cell, min_size=1, max_size=6))
+def test_embed_keeps_every_row(texts, model_dir, capsys, tally):
+    tally("hostile")
+    tmp = scratch()
+    with open(tmp / "t.csv", "w", newline="", encoding="utf-8") as fh:
+        csv.writer(fh).writerows([["id", "text"], *([f"t{i}", t] for i, t in enumerate(texts))])
+    code, err = outcome(["embed", "--model", str(model_dir), "--data", str(tmp / "t.csv"), "--out",
+                         str(tmp / "v.npy")], capsys)  # fmt: skip
+    if code == 0:
+        assert np.load(tmp / "v.npy").shape == (len(texts), 32)
+    else:
+        assert "empty text" in err and str(tmp / "t.csv") in err and not (tmp / "v.npy").exists(), err
     shutil.rmtree(tmp)
 
 

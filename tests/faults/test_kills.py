@@ -279,6 +279,23 @@ def test_multiple_choice_killed_at_a_random_moment(model_dir, choice_reference, 
     assert got == {k: choice_reference[k] for k in got}
 
 
+@pytest.fixture(scope="module")
+def embedding_reference(model_dir, tmp_path_factory) -> dict:
+    from test_embedding import pair_rows, write_rows
+
+    root = tmp_path_factory.mktemp("embedding")
+    data = write_rows(root / "train.csv", pair_rows(96, seed=5))
+    return task_reference(model_dir, root, data, "--task", "embedding", "--max-length", "16", "--text-column",
+                          "query", "--text-pair-column", "passage", "--negative-column", "negative")  # fmt: skip
+
+
+@pytest.mark.parametrize("seed", seeds(fast=0))
+def test_embedding_killed_at_a_random_moment(model_dir, embedding_reference, tmp_path, tally, seed):
+    tally("kill")
+    got = killed_like(embedding_reference, tmp_path / "run", rng("embedding", seed).uniform(0.2, 0.6))
+    assert got == {k: embedding_reference[k] for k in got}
+
+
 # ------------------------------------------------------------------------------------------------------ preprocess
 def preprocess_args(wordpiece_dir: Path, corpus: Path, out: Path) -> list[str]:
     return ["preprocess", "--tokenizer", str(wordpiece_dir), "--files", str(corpus), "--out", str(out),

@@ -56,6 +56,9 @@ class TableConfig:
     null_threshold: float = 0.0
     # Multiple choice: a column read before each question as its context (run_swag's first sentence).
     context_column: str | None = None
+    # Embedding: the columns of each anchor's hard negatives (text_column is the anchor, text_pair_column its
+    # positive; for similarity the two texts, target_columns[0] their score).
+    negative_columns: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.truncation not in TRUNCATIONS:

@@ -1,5 +1,5 @@
 """Fine-tuning tasks: what differs between regression, classification, multi-label, token classification, question
-answering and multiple choice, one module each.
+answering, multiple choice and embedding models (for retrieval and for similarity), one module each.
 
 A task module declares, as module-level names, what `FinetuneTask` lists: how its data is read and made into the
 model's rows, how folds are stratified, its head and outputs, its losses and metric, and how its predictions are
@@ -15,7 +15,16 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from bertforge.data.labelled import Table, TableConfig
-from bertforge.finetuning import classification, multilabel, multiple_choice, questions, regression, tokens
+from bertforge.finetuning import (
+    classification,
+    embedding,
+    multilabel,
+    multiple_choice,
+    questions,
+    regression,
+    similarity,
+    tokens,
+)
 from bertforge.tokenizer.load import Tokenizer
 
 
@@ -91,6 +100,8 @@ TASKS: dict[str, FinetuneTask] = {
     tokens.NAME: tokens,
     questions.NAME: questions,
     multiple_choice.NAME: multiple_choice,
+    embedding.NAME: embedding,
+    similarity.NAME: similarity,
 }
 
 

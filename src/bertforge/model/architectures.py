@@ -23,6 +23,7 @@ from bertforge.model.family import Family
 from bertforge.model.heads import (
     ChoiceClassifier,
     Discriminator,
+    Embedder,
     MaskedLM,
     MlmHead,
     Model,
@@ -99,7 +100,7 @@ FAMILY_NAMES = tuple(FAMILIES)
 # Encoders that take segment_ids: rows packing several sequences, each attending within itself at its own positions.
 SEGMENT_FAMILIES = tuple(name for name, f in FAMILIES.items() if f.segments)
 MODEL_TYPES = {t: f.name for f in FAMILIES.values() for t in (f.name, *f.model_types)}  # config.json's -> family
-HEADS = ("mlm", "sequence", "token", "span", "choice", "rtd")
+HEADS = ("mlm", "sequence", "token", "span", "choice", "rtd", "embedding")
 # The fine-tuning heads: config.json's id2label, and a fresh head when a checkpoint holds another of them.
 LABELLED = ("sequence", "token", "span", "choice")
 SPAN_LABELS = {0: "start", 1: "end"}  # a span head's two outputs
@@ -118,8 +119,8 @@ def check_head(head: str) -> None:
 
 def build(cfg: ModelConfig, head: str = "mlm", num_labels: int = 1, seed: int = 0) -> Model:
     """A freshly initialised model of cfg's architecture: head 'mlm', 'sequence', 'token', 'span' (start and end
-    logits), 'choice' (a score per choice) or 'rtd' (a discriminator). `num_labels` is the sequence and token
-    heads'."""
+    logits), 'choice' (a score per choice), 'rtd' (a discriminator) or 'embedding' (pooled vectors). `num_labels` is
+    the sequence and token heads'."""
     check_head(head)
     arch = family_module(cfg)
     rngs = nnx.Rngs(params=seed, dropout=seed + 1)
@@ -128,6 +129,8 @@ def build(cfg: ModelConfig, head: str = "mlm", num_labels: int = 1, seed: int = 
         return MaskedLM(cfg, encoder, arch.mlm_head(cfg, rngs))
     if head == "rtd":
         return Discriminator(cfg, encoder, RtdHead(cfg, rngs=rngs))
+    if head == "embedding":
+        return Embedder(cfg, encoder)
     if head == "token":
         return TokenClassifier(cfg, num_labels, encoder, arch.token_head(cfg, num_labels, rngs))
     if head == "span":
@@ -150,6 +153,8 @@ def key_table(cfg: ModelConfig, head: str) -> list[Row]:
         # The encoder as the masked-LM model names it, and the detection head where transformers has one.
         rows = [row for row in arch.key_table(cfg, "mlm") if not row.head]
         return rows + (arch.rtd_rows(cfg) if arch.rtd_rows is not None else [])
+    if head == "embedding":  # the encoder alone, named as the masked-LM model names it
+        return [row for row in arch.key_table(cfg, "mlm") if not row.head]
     rows = arch.key_table(cfg, head)
     if head in ("sequence", "choice") and cfg.pooling == "attention":
         # Not a transformers parameter: a bertforge folder with attention pooling is read back by bertforge.
@@ -202,12 +207,14 @@ def config_from_hf(data: dict[str, Any], source: str) -> tuple[ModelConfig, Head
 
 
 def config_to_hf(cfg: ModelConfig, head: str, id2label: dict[int, str] | None = None) -> dict[str, Any]:
-    """The config.json of a model of `head` ('mlm', 'sequence', 'token', 'span', 'choice' or 'rtd'); runtime
-    choices (dtype, remat, attention) stay out of it."""
+    """The config.json of a model of `head` ('mlm', 'sequence', 'token', 'span', 'choice', 'rtd' or 'embedding');
+    runtime choices (dtype, remat, attention) stay out of it."""
     arch = family_module(cfg)
-    out = {**arch.hf_config(cfg, "mlm" if head == "rtd" else head), "dtype": "float32"}
+    out = {**arch.hf_config(cfg, "mlm" if head in ("rtd", "embedding") else head), "dtype": "float32"}
     if head == "rtd":
         out["architectures"] = [arch.RTD_ARCHITECTURE or f"{FAMILIES[cfg.family].hf_prefix}Model"]
+    if head == "embedding":  # sentence-transformers' files beside it say how its tokens are pooled
+        out["architectures"] = [f"{FAMILIES[cfg.family].hf_prefix}Model"]
     if head in LABELLED:
         labels = {"span": SPAN_LABELS, "choice": CHOICE_LABELS}.get(head) or id2label or {0: "LABEL_0"}
         out["id2label"] = {str(k): v for k, v in sorted(labels.items())}

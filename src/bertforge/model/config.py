@@ -25,7 +25,7 @@ ACTIVATIONS = {
 }
 # Compute dtypes; parameters stay float32. float16 (GPUs without bfloat16) trains with a dynamic loss scale.
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-POOLINGS = ("cls", "mean", "attention")
+POOLINGS = ("cls", "mean", "max", "attention")
 POSITION_INITS = ("normal", "sinusoidal")
 
 
@@ -63,7 +63,8 @@ class ModelConfig:
     initializer_range: float = 0.02
     pad_token_id: int = 0
     dtype: str = "float32"  # compute dtype; parameters are always float32
-    pooling: str = "cls"  # sequence head: the [CLS] vector, the mean of the tokens, or learned attention weights
+    pooling: str = "cls"  # the [CLS] vector, the tokens' mean or maximum, or learned attention weights (sequence head)
+    normalize: bool = False  # embedding head: vectors scaled to unit length (sentence-transformers' Normalize)
     remat: bool = False  # keep only each layer's input for the backward pass and recompute the rest (less memory)
     # A fresh model's position table: random as BERT's, or sinusoids (Vaswani et al. 2017) whose dot products depend
     # only on the distance between positions, a start from which attention to neighbours is learned sooner.

@@ -53,6 +53,29 @@ class MlmHead(nnx.Module):
         return logits + self.bias[...] if hasattr(self, "bias") else logits
 
 
+def pool_tokens(hidden: jax.Array, attention_mask: jax.Array, how: str, score: jax.Array | None = None) -> jax.Array:
+    """hidden (B, T, D), attention_mask (B, T) -> float32 (B, D): the first token ('cls'), the mean or the maximum of
+    the real tokens, or their mean weighted by softmax(hidden @ score) ('attention'). A row without a real token
+    (a batch's filler) pools to zeros."""
+    if how == "cls":
+        return hidden[:, 0].astype(jnp.float32)
+    x = hidden.astype(jnp.float32)
+    valid = attention_mask.astype(bool)  # (B, T)
+    if how == "max":
+        top = jnp.max(jnp.where(valid[..., None], x, -jnp.inf), axis=1)
+        return jnp.where(jnp.any(valid, axis=1, keepdims=True), top, 0.0)
+    if how == "mean":
+        weights = valid.astype(jnp.float32) / jnp.maximum(valid.sum(axis=1, keepdims=True), 1)
+    else:
+        weights = jax.nn.softmax(jnp.where(valid, jnp.einsum("btd,d->bt", x, score), MASK_VALUE), axis=-1)
+    return jnp.einsum("bt,btd->bd", weights, x)
+
+
+def unit_length(x: jax.Array, eps: float = 1e-12) -> jax.Array:
+    """x (..., D) scaled to unit length along D; a zero vector stays zero (torch's F.normalize)."""
+    return x / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), eps)
+
+
 class SequenceHead(nnx.Module):
     """A pooled vector through dense + cfg.classifier_act (+ LayerNorm for ModernBERT) to num_labels outputs:
     BERT's pooler + classifier, and the classification heads of the other families.
@@ -78,15 +101,8 @@ class SequenceHead(nnx.Module):
 
     def pool(self, hidden: jax.Array, attention_mask: jax.Array) -> jax.Array:
         """hidden (B, T, D), attention_mask (B, T) -> (B, D)."""
-        if self.cfg.pooling == "cls":
-            return hidden[:, 0]
-        valid = attention_mask.astype(bool)  # (B, T)
-        if self.cfg.pooling == "mean":
-            weights = valid.astype(jnp.float32) / jnp.maximum(valid.sum(axis=1, keepdims=True), 1)
-        else:
-            scores = jnp.einsum("btd,d->bt", hidden.astype(jnp.float32), self.score[...])
-            weights = jax.nn.softmax(jnp.where(valid, scores, MASK_VALUE), axis=-1)
-        return jnp.einsum("bt,btd->bd", weights, hidden.astype(jnp.float32)).astype(hidden.dtype)
+        score = self.score[...] if self.cfg.pooling == "attention" else None
+        return pool_tokens(hidden, attention_mask, self.cfg.pooling, score).astype(hidden.dtype)
 
     def __call__(self, hidden: jax.Array, attention_mask: jax.Array) -> jax.Array:
         """hidden (B, T, D), attention_mask (B, T) -> float32 (B, L)."""
@@ -216,6 +232,37 @@ class ChoiceClassifier(SequenceClassifier):
         return scores.reshape(b, n)
 
 
+class Embedder(nnx.Module):
+    """An encoder whose tokens are pooled into one vector per text (cfg.pooling: cls, mean or max), scaled to unit
+    length when cfg.normalize: a sentence-embedding model, as sentence-transformers' Transformer, Pooling and
+    Normalize modules compute it. It has no parameters of its own."""
+
+    task = "embedding"
+
+    def __init__(self, cfg: ModelConfig, encoder: nnx.Module):
+        if cfg.pooling == "attention":
+            raise ValueError("an embedding model pools by cls, mean or max; attention pooling has learned weights")
+        self.config = cfg
+        self.encoder = encoder
+
+    @property
+    def num_labels(self) -> int:
+        return self.config.hidden_size
+
+    def __call__(self, input_ids: jax.Array, attention_mask: Ids = None, token_type_ids: Ids = None) -> jax.Array:
+        """(B, T) -> float32 (B, D) embeddings; (B, N, T), N texts per row (a pair and its negatives) -> (B, N, D)."""
+        if input_ids.ndim == 3:
+            b, n, t = input_ids.shape
+            flat = lambda x: None if x is None else x.reshape(b * n, t)  # noqa: E731
+            return self(flat(input_ids), flat(attention_mask), flat(token_type_ids)).reshape(b, n, -1)
+        if attention_mask is None:
+            attention_mask = jnp.ones_like(input_ids)
+        first_only = self.config.pooling == "cls"
+        hidden = self.encoder(input_ids, attention_mask, token_type_ids, first_only)  # (B, T, D)
+        pooled = pool_tokens(hidden, attention_mask, self.config.pooling)
+        return unit_length(pooled) if self.config.normalize else pooled
+
+
 class Discriminator(nnx.Module):
     """An encoder with the replaced-token detection head: ELECTRA's discriminator (ElectraForPreTraining)."""
 
@@ -231,4 +278,4 @@ class Discriminator(nnx.Module):
         return self.head(self.encoder(input_ids, attention_mask, token_type_ids))
 
 
-Model = MaskedLM | SequenceClassifier | TokenClassifier | Discriminator
+Model = MaskedLM | SequenceClassifier | TokenClassifier | Discriminator | Embedder

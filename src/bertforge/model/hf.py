@@ -25,6 +25,7 @@ from safetensors.numpy import save as safetensors_bytes
 
 from bertforge.errors import UserError
 from bertforge.fileio import read_json_object, temp_folder_beside, write_atomic
+from bertforge.model import sentence_folder
 from bertforge.model.architectures import (
     HEADS,
     LABELLED,
@@ -40,7 +41,8 @@ from bertforge.tokenizer.load import Tokenizer
 
 PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
 HEAD_KINDS = {"mlm": "masked-LM", "sequence": "sequence-classification", "token": "token-classification",
-              "span": "question-answering", "choice": "multiple-choice", "rtd": "replaced-token detection"}  # fmt: skip
+              "span": "question-answering", "choice": "multiple-choice", "rtd": "replaced-token detection",
+              "embedding": "embedding"}  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------------ weights
@@ -223,10 +225,20 @@ def _read_config(folder: Path) -> dict[str, Any]:
 
 def fine_tuned_head(name: str | os.PathLike) -> str:
     """The head a fine-tuned folder (or hub id) predicts with: the one its config.json names when that is a
-    fine-tuning head, else the sequence head."""
+    fine-tuning head, else 'embedding' for a sentence-transformers folder, else the sequence head."""
     folder = resolve(name)
     _, info = config_from_hf(_read_config(folder), str(folder / "config.json"))
+    if info.head not in LABELLED and (folder / sentence_folder.MODULES).is_file():
+        return "embedding"
     return info.head if info.head in LABELLED else "sequence"
+
+
+def embedding_pooling(folder: Path) -> dict[str, Any]:
+    """The pooling an embedding model of `folder` starts with: its sentence-transformers modules', else the mean of
+    the tokens, not normalised (what sentence-transformers gives a plain encoder)."""
+    found = sentence_folder.read_pooling(folder)
+    return {"pooling": "mean", "normalize": False} if found is None else {"pooling": found.pooling,
+                                                                            "normalize": found.normalize}  # fmt: skip
 
 
 def load_pretrained(
@@ -252,8 +264,10 @@ def load_pretrained(
     data = _read_config(folder)
     source = str(folder / "config.json")
     cfg, info = config_from_hf(data, source)
-    cfg = _with_overrides(cfg, overrides, source)
     head = head or info.head or "mlm"
+    if head == "embedding":
+        overrides = {**embedding_pooling(folder), **overrides}
+    cfg = _with_overrides(cfg, overrides, source)
     if head not in HEADS:
         raise ValueError(f"unknown head {head!r}")
     files = weight_files(folder)  # refuses pickles before anything else is read
@@ -292,7 +306,7 @@ def save_pretrained(
 ) -> Path:
     """Write a folder that transformers' AutoModelForMaskedLM, AutoModelForSequenceClassification,
     AutoModelForTokenClassification, AutoModelForQuestionAnswering or AutoModelForMultipleChoice (as the model's
-    head) loads.
+    head) loads; an embedding model's is an AutoModel folder that SentenceTransformer loads with its pooling.
 
     Files are written into a temporary folder and moved into place, so a crash never leaves a half-written export.
     Over an existing folder, its config.json goes first and the new one comes last: a folder caught in between has
@@ -318,7 +332,10 @@ def save_pretrained(
         write_atomic(tmp / "model.safetensors", blob)
         if tokenizer is not None:
             tokenizer.save(tmp)
+        if head == "embedding":  # a sentence-transformers folder too
+            extra_files = {**sentence_folder.files(model.config, model.config.max_seq_len), **(extra_files or {})}
         for name, text in (extra_files or {}).items():
+            (tmp / name).parent.mkdir(parents=True, exist_ok=True)
             write_atomic(tmp / name, text)
         if not out.exists():
             os.replace(tmp, out)

@@ -99,6 +99,8 @@ def _from_run(
     overrides = dict(overrides or {})
     if dtype is not None:
         overrides["dtype"] = dtype
+    if head == "embedding":  # what sentence-transformers gives a plain encoder
+        overrides = {"pooling": "mean", "normalize": False, **overrides}
     pre = load_run(name, part="generator" if head in (None, "mlm") and _is_rtd(name) else "")
     try:
         cfg = dataclasses.replace(pre.model.config, **overrides)
@@ -111,7 +113,7 @@ def _from_run(
             pre = dataclasses.replace(pre, model=model)
         return pre
     task = head
-    if require_head:
+    if require_head and task != "embedding":  # an embedding model is the encoder alone
         raise UserError(f"{pre.folder}: a pretraining run has a masked-LM head, not a {task} head")
     n = num_labels or 1
     model = build(cfg, task, num_labels=n, seed=seed)

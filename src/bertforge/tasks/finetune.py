@@ -32,6 +32,7 @@ from bertforge.runtime.devices import MeshConfig, build_mesh, param_shardings
 from bertforge.tasks.finetune_fold import FinetuneTrainConfig, Job, scores, train_fold
 from bertforge.train import metrics
 from bertforge.train.ahead import Ahead
+from bertforge.train.contrastive import ContrastiveConfig
 from bertforge.train.loss_scale import with_loss_scale
 from bertforge.train.metrics_log import LogConfig
 from bertforge.train.optim import OptimConfig, make_optimizer
@@ -45,9 +46,15 @@ Task = Literal[tuple(TASKS)]  # type: ignore[valid-type]
 @dataclasses.dataclass(frozen=True)
 class HeadConfig:
     task: Task = "regression"
-    loss: str = ""  # default: mse, cross_entropy or bce by task; more with train.sequence_step.register_loss
-    metric: str = ""  # picks the best checkpoint; default: rmse, accuracy or auc by task
-    pooling: str = "cls"  # cls, mean or attention
+    loss: str = ""  # default: the task's (mse, cross_entropy, mnrl, ...); more with sequence_step.register_loss
+    metric: str = ""  # picks the best checkpoint; default: the task's (rmse, accuracy, ndcg@10, ...)
+    # cls, mean, max or attention; default: cls, and for an embedding model the folder's own (a sentence-transformers
+    # folder's pooling), else mean.
+    pooling: str = ""
+    normalize: bool | None = None  # embedding: unit-length vectors (default: the folder's own, else not)
+    scale: float = 20.0  # embedding losses: the multiplier of the cosine similarities
+    symmetric: bool = False  # mnrl: also find each positive's anchor among the anchors
+    matryoshka: tuple[int, ...] = ()  # embedding: the loss summed over the vectors cut to these sizes
     hidden_dropout: float | None = None  # None keeps the pretrained model's
     attention_dropout: float | None = None
     classifier_dropout: float | None = None
@@ -55,8 +62,15 @@ class HeadConfig:
     def __post_init__(self) -> None:
         if self.task not in TASKS:
             raise ValueError(f"task {self.task!r} is not one of {', '.join(TASKS)}")
-        if self.loss and self.loss not in LOSSES:
-            raise ValueError(f"loss {self.loss!r} is not one of {', '.join(LOSSES)}")
+        embedding = TASKS[self.task].HEAD == "embedding"
+        known = TASKS[self.task].LOSSES if embedding else tuple(LOSSES)
+        if self.loss and self.loss not in known:
+            raise ValueError(f"loss {self.loss!r} is not one of {', '.join(known)}")
+        if embedding and self.pooling == "attention":
+            raise ValueError("an embedding model pools by cls, mean or max")
+        if not embedding and (self.normalize is not None or self.matryoshka or self.symmetric):
+            raise ValueError("normalize, symmetric and matryoshka are options of the embedding tasks")
+        ContrastiveConfig(TASKS[self.task].LOSSES[0] if embedding else "mnrl", self.scale, matryoshka=self.matryoshka)
         if self.metric and self.metric not in metrics.HIGHER_IS_BETTER:
             raise ValueError(f"metric {self.metric!r} is not one of {', '.join(metrics.HIGHER_IS_BETTER)}")
 
@@ -95,12 +109,18 @@ def _setup(cfg: FinetuneConfig) -> Setup:
     run = [0] if cfg.data.valid else folds_to_run(cfg.folds)
     h = cfg.head
     t = cfg.train
-    overrides: dict[str, Any] = {"pooling": h.pooling, "dtype": t.dtype, "remat": t.remat, "attention": t.attention}
-    for name in ("hidden_dropout", "attention_dropout", "classifier_dropout"):
+    overrides: dict[str, Any] = {"dtype": t.dtype, "remat": t.remat, "attention": t.attention}
+    for name in ("hidden_dropout", "attention_dropout", "classifier_dropout", "normalize"):
         if getattr(h, name) is not None:
             overrides[name] = getattr(h, name)
-    outputs = 1 if task.HEAD == "choice" else len(names)  # a choice head scores each choice with one output
+    if h.pooling or task.HEAD != "embedding":  # an embedding model keeps its folder's pooling unless told
+        overrides["pooling"] = h.pooling or "cls"
+    # A choice head scores each choice with one output; an embedding model's outputs are its vectors.
+    outputs = 1 if task.HEAD in ("choice", "embedding") else len(names)
     pre = load_model(cfg.model, head=task.HEAD, num_labels=outputs, seed=cfg.train.seed, overrides=overrides)
+    if any(d > pre.model.config.hidden_size for d in h.matryoshka):
+        raise UserError(f"head.matryoshka: {max(h.matryoshka)} is more than the model's {pre.model.config.hidden_size} "
+                        "values per vector")  # fmt: skip
     if outputs == len(names):
         pre.id2label = dict(enumerate(names))
     limit = min(cfg.data.max_length, pre.model.config.max_seq_len)
@@ -149,9 +169,10 @@ def _job(cfg: FinetuneConfig, run_dir: Path, pre: Pretrained, names: list[str], 
     task = TASKS[cfg.head.task]
     loss = cfg.head.loss or task.DEFAULT_LOSS
     t = cfg.train
-    step_cfg = SequenceStepConfig(
-        loss, t.grad_accum, t.sparse_embeddings, row_capacity=t.batch_size * limit, dropout=dropout.draws(pre.model)
-    )
+    h = cfg.head
+    contrastive = ContrastiveConfig(loss, h.scale, h.symmetric, h.matryoshka) if task.HEAD == "embedding" else None
+    step_cfg = SequenceStepConfig(loss, t.grad_accum, t.sparse_embeddings, row_capacity=t.batch_size * limit,
+                                  dropout=dropout.draws(pre.model), contrastive=contrastive)  # fmt: skip
     # Outputs replicated: every process reads the whole batch's predictions (metrics are global).
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     return Job(

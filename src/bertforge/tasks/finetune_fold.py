@@ -24,6 +24,7 @@ from bertforge.data.labelled import Table
 from bertforge.data.long_text import outputs_of_records, record_of, records_of
 from bertforge.finetuning import FinetuneTask
 from bertforge.hub import HubConfig, Publisher
+from bertforge.model import sentence_folder
 from bertforge.model.hf import Pretrained, save_pretrained
 from bertforge.runtime.devices import fetch, global_array
 from bertforge.tasks.model_outputs import INPUTS, outputs_by_length
@@ -113,6 +114,8 @@ def write_model(job: Job, fold_dir: Path, params: Any, out: Path, step: int) -> 
         task=job.task.NAME,
         **job.hub.card(),
     )
+    if job.task.HEAD == "embedding":  # sentence-transformers cuts texts where the run did
+        card = {**sentence_folder.files(model.config, job.limit), **card}
     save_pretrained(model, out, job.pre.tokenizer, job.pre.id2label, extra_files=card)
 
 
@@ -130,7 +133,8 @@ def _batch(job: Job, rows: np.ndarray, length: int) -> dict[str, np.ndarray]:
 def scores(job: Job, outputs: np.ndarray, targets: np.ndarray) -> dict[str, float]:
     """The task's metrics and the loss of `outputs` against `targets` (of the validation table's rows)."""
     found = job.task.scores(outputs, targets, job.names, (job.valid_table or job.table).source)
-    found["loss"] = float(_mean_loss(outputs, targets, job.loss))
+    if job.loss in LOSSES:  # a contrastive loss is of a batch, not of the whole validation set
+        found["loss"] = float(_mean_loss(outputs, targets, job.loss))
     return found
 
 
@@ -297,7 +301,11 @@ def _training_batches(job: Job, fold: Fold, first_step: int) -> Iterator[dict[st
 
 def _valid_outputs(job: Job, fold: Fold, params: Any) -> np.ndarray:
     """The model's outputs on the fold's validation records (a text's windows pooled)."""
-    forward = lambda b: job.forward_jit(params, {k: global_array(b[k], job.mesh) for k in INPUTS})  # noqa: E731
+
+    def forward(batch: dict[str, np.ndarray]) -> np.ndarray:
+        out = np.asarray(job.forward_jit(params, {k: global_array(batch[k], job.mesh) for k in INPUTS}))
+        return out.reshape(len(out), -1) if job.task.HEAD == "embedding" else out  # a row's N vectors, flat
+
     pad_id, size = job.pre.tokenizer.pad_id, job.train.eval_batch_size
     outputs = outputs_by_length(forward, fold.valid_encs, pad_id, size, job.limit, job.bucket, rungs=job.rungs)
     return outputs_of_records(job.valid_table or job.table, fold.valid_rows, outputs)[1]

@@ -20,7 +20,14 @@ from bertforge.data.long_text import pool, text_windows
 from bertforge.errors import UserError
 from bertforge.finetuning import task_of
 from bertforge.finetuning.tables import prediction_table
-from bertforge.model.heads import ChoiceClassifier, MaskedLM, SequenceClassifier, SpanClassifier, TokenClassifier
+from bertforge.model.heads import (
+    ChoiceClassifier,
+    Embedder,
+    MaskedLM,
+    SequenceClassifier,
+    SpanClassifier,
+    TokenClassifier,
+)
 from bertforge.model.hf import Pretrained
 from bertforge.model.load import load_model, load_models
 from bertforge.tasks.model_outputs import forward_of, outputs_by_length
@@ -210,6 +217,8 @@ def run_outputs(
 def predict_main(cfg: PredictConfig) -> Sized:
     """Write cfg.out; returns the predictions (a row of outputs, or a token model's entities, per text)."""
     models, settings = load_models(cfg.model)
+    if isinstance(models[0].model, Embedder):
+        raise UserError(f"{cfg.model}: an embedding model; `bertforge embed` writes its vectors")
     if isinstance(models[0].model, SpanClassifier):
         return predict_questions(models, settings, cfg)
     if isinstance(models[0].model, ChoiceClassifier):

@@ -15,6 +15,10 @@ HIGHER_IS_BETTER = {
     "f1": True,
     "exact_match": True,
     "auc": True,
+    "ndcg@10": True,
+    "mrr@10": True,
+    "recall@10": True,
+    "recall@100": True,
     "loss": False,
 }
 

@@ -24,6 +24,8 @@ import optax
 from flax import nnx
 
 from bertforge.train.ahead import Ahead
+from bertforge.train.contrastive import ContrastiveConfig
+from bertforge.train.embedding_step import contrastive_gradients
 from bertforge.train.loss_scale import scale_of, scaled, unscale
 from bertforge.train.optim import param_names
 from bertforge.train.step import TrainState, accumulate, apply_update, micro_batches, stream_keys, with_stream_keys
@@ -107,6 +109,9 @@ class SequenceStepConfig:
     # update compiles once; 0: each batch's own token count.
     row_capacity: int = 0
     dropout: bool = True  # whether the model draws dropout (dropout.draws): its keys are drawn only then
+    # An embedding model's loss over the whole batch (train/contrastive.py); grad_accum then takes the batch in
+    # mini-batches of the cached form (train/embedding_step.py), and `loss` is not used.
+    contrastive: ContrastiveConfig | None = None
 
 
 # Where every architecture keeps its word-embedding table among the parameters (and the optimizer's moments).
@@ -172,6 +177,27 @@ def gradients(
     """The gradients of the batch's loss at `params`, dropout keyed by `keys` (dropout_keys'; None for a model
     that draws no dropout), the loss, and with sparse_embeddings the rows of the batch's tokens, to which the
     table's gradient is cut (else None). `scale`: float16's loss scale (loss_scale.py), divided out again."""
+    if cfg.contrastive is not None:
+        grads, loss = contrastive_gradients(graphdef, rest, params, keys, batch, cfg.contrastive, cfg.grad_accum, scale)
+    else:
+        grads, loss = _summed_gradients(graphdef, rest, params, keys, batch, cfg, scale)
+    if not cfg.sparse_embeddings:
+        return grads, loss, None
+    ids = batch["input_ids"]
+    rows = touched_rows(ids, word_table(params).shape[0], max(cfg.row_capacity, ids.size))
+    return take_rows(grads, rows), loss, rows
+
+
+def _summed_gradients(
+    graphdef: Any,
+    rest: Any,
+    params: Any,
+    keys: tuple[jax.Array, ...] | None,
+    batch: dict[str, jax.Array],
+    cfg: SequenceStepConfig,
+    scale: jax.Array | None,
+) -> tuple[Any, jax.Array]:
+    """(gradients, loss) of a loss that is a sum over the batch's rows, accumulated over its micro-batches."""
     loss_of = LOSSES[cfg.loss]
     real = loss_count(cfg.loss, batch["targets"], batch["weight"])
     micro = {k: micro_batches(v, cfg.grad_accum) for k, v in batch.items()}
@@ -185,12 +211,7 @@ def gradients(
     def grad_fn(params: Any, xs: tuple) -> tuple[jax.Array, Any]:
         return jax.value_and_grad(loss_fn)(params, xs)
 
-    grads, loss = unscale(*accumulate(grad_fn, params, (micro, keys)), scale)
-    if not cfg.sparse_embeddings:
-        return grads, loss, None
-    ids = batch["input_ids"]
-    rows = touched_rows(ids, word_table(params).shape[0], max(cfg.row_capacity, ids.size))
-    return take_rows(grads, rows), loss, rows
+    return unscale(*accumulate(grad_fn, params, (micro, keys)), scale)
 
 
 def update(

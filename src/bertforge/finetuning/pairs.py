@@ -1,0 +1,104 @@
+"""What the two embedding tasks share: a table whose rows are N texts (an anchor, its positive and its hard
+negatives; or two texts and their score), each text encoded alone, a row batched as (N, T) and embedded by the
+model as (N, D). The validation outputs of a row are its N embeddings, flat (N * D)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from bertforge.data import tabular
+from bertforge.data.batching import EncodedChoices
+from bertforge.data.labelled import Table, TableConfig
+from bertforge.errors import UserError
+from bertforge.finetuning import tables
+from bertforge.finetuning.columns import numbers
+from bertforge.tokenizer.load import Tokenizer
+
+
+@dataclasses.dataclass(frozen=True)
+class PairTexts:
+    """A pair table's texts (Table.source): its columns, and each row's texts in their order."""
+
+    columns: tuple[str, ...]
+    texts: list[tuple[str, ...]]
+
+
+def read(path: str, cfg: TableConfig, scored: bool) -> Table:
+    """The rows of `path`: data.text_column, data.text_pair_column and data.negative_columns, and with `scored`
+    data.target_columns[0]. Targets (R, 3): the score (1 without one), 1 (a real row, not a batch's filler), and
+    the row's index, by which the metrics find its texts."""
+    columns, rows = tabular.read_table(path, quoted_tsv=cfg.quoted_tsv)
+    if not rows:
+        raise UserError(f"{path}: no rows")
+    if not cfg.text_pair_column:
+        first = "the first text" if scored else "the anchor (a query)"
+        second = "the second" if scored else "its positive (the passage it should find)"
+        raise UserError(f"{path}: no second text column: --text-column names {first}, --text-pair-column {second}")
+    names = (cfg.text_column, cfg.text_pair_column, *cfg.negative_columns)
+    if len(set(names)) < len(names):
+        raise UserError(f"{path}: a column is named twice among the text columns ({', '.join(names)})")
+    texts = [tabular.text_column(path, columns, rows, c) for c in names]
+    n = len(rows)
+    score = tabular.numeric_column(path, columns, rows, cfg.target_columns[0]) if scored else np.ones(n)
+    targets = np.stack([score, np.ones(n), np.arange(n)], axis=1).astype(np.float32)
+    id_column = cfg.id_column or ("id" if "id" in columns else None)
+    ids = tabular.plain_column(path, columns, rows, id_column) if id_column else None
+    groups = tabular.plain_column(path, columns, rows, cfg.group_column) if cfg.group_column else None
+    return Table(path, texts[0], texts[1], targets, None, np.ones(n, np.float32), ids, groups,
+                 source=PairTexts(names, list(zip(*texts, strict=True))))  # fmt: skip
+
+
+def output_names(table: Table, cfg: TableConfig) -> list[str]:
+    """A row's texts, by their columns."""
+    return list(table.source.columns)
+
+
+def rows(table: Table, tokenizer: Tokenizer, cfg: TableConfig, limit: int) -> Table:
+    """Every text of every row encoded alone in at most `limit` tokens (cut as data.truncation says)."""
+    texts: list[tuple[str, ...]] = table.source.texts
+    n = len(table.source.columns)
+    flat = tokenizer.encode_batch([t for row in texts for t in row], None, max_length=limit, truncation=cfg.truncation)
+    table.encs = [EncodedChoices(tuple(flat[i * n : (i + 1) * n])) for i in range(len(texts))]
+    return table
+
+
+def embeddings(outputs: np.ndarray, names: Sequence[str]) -> np.ndarray:
+    """(R, N * D) validation outputs -> (R, N, D)."""
+    return np.asarray(outputs, np.float32).reshape(len(outputs), len(names), -1)
+
+
+def cosines(emb: np.ndarray) -> np.ndarray:
+    """(R, N, D) -> (R,) cosine similarity of each row's first two texts."""
+    a, b = emb[:, 0].astype(np.float64), emb[:, 1].astype(np.float64)
+    norms = np.maximum(np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1), 1e-12)
+    return np.sum(a * b, axis=1) / norms
+
+
+def run_info(table: Table, cfg: TableConfig) -> dict[str, Any]:
+    return {"columns": list(table.source.columns)}
+
+
+def strata(table: Table, bins: int) -> np.ndarray | None:
+    return None
+
+
+def column_names(labels: list[str], run: dict[str, Any]) -> list[str]:
+    return list(run.get("columns", labels))
+
+
+def prediction_columns(
+    names: Sequence[str], outputs: np.ndarray, beside_truth: bool
+) -> tuple[list[str], list[list[Any]]]:
+    """The cosine similarity of each row's first two texts."""
+    return ["cosine"], numbers(cosines(embeddings(outputs, names))[:, None])
+
+
+def out_of_fold(table: Table, cfg: TableConfig, names: Sequence[str], rows: np.ndarray, outputs: np.ndarray,
+                keys: Sequence[tuple[str, Sequence[Any]]]) -> tuple[list[str], list[list[Any]]]:  # fmt: skip
+    """oof.csv: the keys, the score (1 for pairs without one) and the cosine of each row's first two texts."""
+    truth = (["score"], numbers(table.targets[rows, :1]))
+    return tables.prediction_table(prediction_columns, names, outputs, keys, truth)

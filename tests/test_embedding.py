@@ -1,0 +1,201 @@
+"""Embedding models: an export is a sentence-transformers folder that `SentenceTransformer` loads and encodes to
+bertforge's vectors (BERT, ModernBERT, DeBERTa-v3; cls, mean and max pooling, normalised or not); a
+sentence-transformers folder loads with its pooling; `finetune --task embedding` and `--task similarity`, then
+`embed`, end to end, their metrics recomputed from the vectors `embed` writes; malformed pair tables."""
+
+from __future__ import annotations
+
+import csv
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+from sentence_transformers import SentenceTransformer
+from test_model_hf import TEXTS
+from test_token_heads import reference
+
+import bertforge
+from bertforge.cli import main as cli
+from bertforge.model.load import load_model
+from bertforge.model.sentence_folder import read_pooling
+from bertforge.tasks.embed import embed
+from bertforge.train.retrieval import retrieval_scores
+
+
+def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return np.sum(a * b, 1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+
+
+CASES = [("bert", "mean", True), ("modernbert", "cls", False), ("deberta-v2", "max", True)]
+
+
+@pytest.mark.parametrize(("family", "pooling", "normalize"), CASES)
+def test_an_export_encodes_in_sentence_transformers_as_in_bertforge(family, pooling, normalize, request, tmp_path):
+    folder, _ = reference(family, "MaskedLM", request, tmp_path / "mlm")
+    pre = load_model(folder, head="embedding", overrides={"pooling": pooling, "normalize": normalize})
+    assert pre.missing_head == [] and pre.model.config.pooling == pooling
+    ours = embed(pre, TEXTS)
+    out = bertforge.save(pre.model, tmp_path / "export", pre.tokenizer)
+    st = SentenceTransformer(str(out), device="cpu")
+    theirs = st.encode(TEXTS, convert_to_numpy=True)
+    assert theirs.shape == ours.shape
+    assert np.min(cosines(ours, theirs)) >= 1 - 1e-5
+    np.testing.assert_allclose(ours, theirs, atol=1e-4 * max(1.0, float(np.abs(theirs).max())))
+    if normalize:
+        np.testing.assert_allclose(np.linalg.norm(ours, axis=1), 1.0, atol=1e-6)
+    again = load_model(out, head="embedding")  # the folder's pooling comes back with it
+    assert (again.model.config.pooling, again.model.config.normalize) == (pooling, normalize)
+    np.testing.assert_allclose(embed(again, TEXTS), ours, atol=1e-6)
+
+
+def test_a_sentence_transformers_folder_keeps_its_pooling(model_dir, tmp_path):
+    st_folder = tmp_path / "st"
+    (st_folder / "p").mkdir(parents=True)
+    for f in model_dir.iterdir():
+        (st_folder / f.name).write_bytes(f.read_bytes())
+    kinds = ["base.modules.transformer.Transformer", "sentence_transformer.modules.pooling.Pooling"]
+    modules = [{"idx": i, "name": str(i), "path": ["", "p"][i], "type": f"sentence_transformers.{kind}"}
+               for i, kind in enumerate(kinds)]  # fmt: skip
+    (st_folder / "modules.json").write_text(json.dumps(modules))
+    (st_folder / "p" / "config.json").write_text(json.dumps({"embedding_dimension": 32, "pooling_mode": "max"}))
+    found = read_pooling(st_folder)  # sentence-transformers 6's layout
+    assert (found.pooling, found.normalize) == ("max", False)
+    pre = load_model(st_folder, head="embedding")
+    assert pre.model.config.pooling == "max"
+    theirs = SentenceTransformer(str(st_folder), device="cpu").encode(TEXTS)
+    assert np.min(cosines(embed(pre, TEXTS), theirs)) >= 1 - 1e-5
+    assert load_model(model_dir, head="embedding").model.config.pooling == "mean"  # a plain encoder's
+    modules.append({"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"})
+    (st_folder / "modules.json").write_text(json.dumps(modules))
+    with pytest.raises(bertforge.errors.UserError, match="modules.json: has a Dense module"):
+        load_model(st_folder, head="embedding")
+
+
+# ------------------------------------------------------------------------------------------------ end to end
+TOPICS = ["anna", "boris", "clara", "dmitri", "elena", "fyodor", "river", "city", "music", "school", "army", "league"]
+FILLER = "the old town near water and then over a bridge".split()
+
+
+def pair_rows(n: int, seed: int) -> list[dict[str, str]]:
+    """Queries naming a topic, passages about it among filler words, hard negatives about another topic."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        topic, other = rng.sample(TOPICS, 2)
+        words = lambda: " ".join(rng.sample(FILLER, 4))  # noqa: E731
+        rows.append({"id": f"p{i}", "query": f"{topic} {words()}", "passage": f"{words()} {topic} {words()}",
+                     "negative": f"{words()} {other} {words()}", "score": str(rng.randint(0, 5))})  # fmt: skip
+    return rows
+
+
+def read_rows(path: Path) -> list[dict[str, str]]:
+    with open(path, newline="", encoding="utf-8") as fh:
+        return list(csv.DictReader(fh))
+
+
+def write_rows(path: Path, rows: list[dict[str, str]]) -> Path:
+    with open(path, "w", newline="", encoding="utf-8") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    return path
+
+
+FAST = ["--optim.lr=2e-3", "--train.batch_size=16", "--mesh.num_devices=1", "--train.evals_per_epoch=1",
+        "--log.progress=false", "--max-length", "16", "--text-column", "query",
+        "--text-pair-column", "passage"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def embedding_run(model_dir, tmp_path_factory) -> tuple[Path, Path]:
+    work = tmp_path_factory.mktemp("embedding")
+    train, valid = write_rows(work / "train.csv", pair_rows(64, 1)), write_rows(work / "valid.csv", pair_rows(24, 2))
+    out = work / "run"
+    code = cli(["finetune", "--task", "embedding", "--model", str(model_dir), "--data", str(train), "--valid-data",
+                str(valid), "--out", str(out), "--negative-column", "negative", "--train.epochs=3", *FAST])  # fmt: skip
+    assert code == 0
+    return out, valid
+
+
+def test_finetune_embedding_then_embed(embedding_run, model_dir, tmp_path):
+    out, valid = embedding_run
+    summary = json.loads((out / "summary.json").read_text())
+    rows = read_rows(valid)
+    for column in ("query", "passage", "negative"):
+        assert cli(["embed", "--model", str(out), "--data", str(valid), "--text-column", column, "--out",
+                    str(tmp_path / f"{column}.npy"), "--max-length", "16"]) == 0  # fmt: skip
+    vec = {c: np.load(tmp_path / f"{c}.npy") for c in ("query", "passage", "negative")}
+    # The run's nDCG@10, from the vectors `embed` wrote: each query's passage among all passages and negatives.
+    docs = [r["passage"] for r in rows] + [r["negative"] for r in rows]
+    first = {t: i for i, t in reversed(list(enumerate(docs)))}
+    keep = sorted(set(first.values()))
+    doc_vectors = np.concatenate([vec["passage"], vec["negative"]])[keep]
+    relevant = [{keep.index(first[r["passage"]]): 1.0} for r in rows]
+    expected = retrieval_scores(vec["query"], doc_vectors, relevant, [str(i) for i in range(len(keep))])
+    assert summary["folds"][0]["score"] == pytest.approx(expected["ndcg@10"], abs=1e-4)
+    # oof.csv's cosine is the query's and passage's.
+    oof = read_rows(out / "oof.csv")
+    np.testing.assert_allclose([float(r["cosine"]) for r in oof], cosines(vec["query"], vec["passage"]), atol=1e-5)
+    # It learned: better than the encoder it started from, and the fold model is a sentence-transformers folder.
+    start = load_model(model_dir, head="embedding")
+    zero = {c: embed(start, [r[c] for r in rows]) for c in ("query", "passage", "negative")}
+    before = retrieval_scores(zero["query"], np.concatenate([zero["passage"], zero["negative"]])[keep], relevant,
+                              [str(i) for i in range(len(keep))])  # fmt: skip
+    assert expected["ndcg@10"] > before["ndcg@10"] + 0.05
+    st = SentenceTransformer(str(out / "fold-0" / "model"), device="cpu")
+    assert np.min(cosines(st.encode([r["query"] for r in rows]), vec["query"])) >= 1 - 1e-5
+    api = bertforge.embed(out, [r["query"] for r in rows[:3]])
+    np.testing.assert_allclose(api, vec["query"][:3], atol=1e-5)
+
+
+def test_embed_writes_parquet_with_ids_and_predict_points_to_it(embedding_run, tmp_path, capsys):
+    import pyarrow.parquet as pq
+
+    out, valid = embedding_run
+    assert cli(["embed", "--model", str(out), "--data", str(valid), "--text-column", "query", "--out",
+                str(tmp_path / "v.parquet")]) == 0  # fmt: skip
+    table = pq.read_table(tmp_path / "v.parquet")
+    assert table.column_names == ["id", "embedding"] and table.column("id").to_pylist()[0] == "p0"
+    assert cli(["predict", "--model", str(out), "--data", str(valid), "--out", str(tmp_path / "p.csv")]) == 2
+    assert "an embedding model; `bertforge embed` writes its vectors" in capsys.readouterr().err
+
+
+def test_finetune_similarity_scores_spearman_of_the_cosines(model_dir, tmp_path):
+    train = write_rows(tmp_path / "train.csv", pair_rows(48, 3))
+    valid = write_rows(tmp_path / "v.csv", pair_rows(16, 4))
+    out = tmp_path / "run"
+    assert cli(["finetune", "--task", "similarity", "--model", str(model_dir), "--data", str(train), "--valid-data",
+                str(valid), "--out", str(out), "--target-column", "score", "--head.normalize=true",
+                *FAST]) == 0  # fmt: skip
+    summary = json.loads((out / "summary.json").read_text())
+    rows = read_rows(valid)
+    pre = load_model(out / "fold-0" / "model", head="embedding")
+    assert pre.model.config.normalize
+    q, p = (embed(pre, [r[c] for r in rows], max_length=16) for c in ("query", "passage"))
+    from scipy.stats import spearmanr
+
+    expected = spearmanr(cosines(q, p), [float(r["score"]) for r in rows]).statistic
+    assert summary["metric"] == "spearman" and summary["folds"][0]["score"] == pytest.approx(expected, abs=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("table", "extra", "message"),
+    [
+        ("query,passage\nq,\n", [], "row 1 has an empty text in column 'passage'"),
+        ("query,text\nq,p\n", [], "no column 'passage'"),
+        ("query,passage\nq,p\n", ["--negative-column", "neg"], "no column 'neg'"),
+        ("query,passage\nq,p\n", ["--negative-column", "passage"], "a column is named twice"),
+        ("query,passage,score\nq,p,high\n", ["--task", "similarity", "--target-column", "score"], "not a number"),
+    ],
+)
+def test_malformed_pair_tables_are_one_line(model_dir, tmp_path, capsys, table, extra, message):
+    data = tmp_path / "pairs.csv"
+    data.write_text(table, encoding="utf-8")
+    args = ["finetune", "--task", "embedding", "--model", str(model_dir), "--data", str(data), "--out",
+            str(tmp_path / "run"), *FAST, *extra]  # fmt: skip
+    assert cli(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {data}: ") and message in err and "\n" not in err
+    assert not (tmp_path / "run").exists()
