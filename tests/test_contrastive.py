@@ -20,14 +20,16 @@ from bertforge.train.contrastive import ContrastiveConfig
 from bertforge.train.embedding_step import contrastive_gradients
 
 
-def numpy_mnrl(emb: np.ndarray, real: np.ndarray, scale: float) -> float:
+def numpy_mnrl(emb: np.ndarray, real: np.ndarray, scale: float, positive: np.ndarray | None = None) -> float:
     """The mean over real anchors of -log softmax(scale cos(anchor, candidates))[own positive], the candidates
-    every real row's texts but its anchor, written as plainly as possible."""
+    every real row's texts but its anchor, less other rows' copies of its positive (same id), written plainly."""
     rows = [i for i in range(len(emb)) if real[i]]
+    positive = np.arange(len(emb)) if positive is None else positive
     unit = lambda v: v / np.linalg.norm(v)  # noqa: E731
     losses = []
     for i in rows:
-        candidates = [(j, k) for k in range(1, emb.shape[1]) for j in rows]
+        candidates = [(j, k) for k in range(1, emb.shape[1]) for j in rows
+                      if not (k == 1 and j != i and positive[j] == positive[i])]  # fmt: skip
         logits = np.array([scale * unit(emb[i, 0]) @ unit(emb[j, k]) for j, k in candidates], np.float64)
         own = candidates.index((i, 1))
         losses.append(np.log(np.sum(np.exp(logits - logits.max()))) + logits.max() - logits[own])
@@ -52,6 +54,19 @@ def test_multiple_negatives_ranking_with_hard_negatives_matches_numpy_and_ignore
     # Filler rows change nothing, whatever their vectors hold.
     alone = float(contrastive.batch_loss(cfg, jnp.asarray(emb[:4]), jnp.asarray(targets_of(real[:4]))))
     assert got == pytest.approx(alone, abs=1e-6)
+
+
+def test_a_passage_shared_by_several_anchors_is_no_negative_of_theirs():
+    emb = embeddings(5, 3, 8, seed=6)
+    positive = np.array([0, 1, 0, 3, 1], np.float32)  # rows 0 and 2 share a passage, rows 1 and 4 another
+    emb[2, 1], emb[4, 1] = emb[0, 1], emb[1, 1]
+    emb[:, 0] = emb[:, 1] + 0.1 * emb[:, 0]  # each anchor near its passage: its own score dominates
+    targets = targets_of(np.ones(5))
+    with_ids = np.concatenate([targets, positive[:, None]], axis=1)
+    got = float(contrastive.batch_loss(ContrastiveConfig("mnrl"), jnp.asarray(emb), jnp.asarray(with_ids)))
+    assert got == pytest.approx(numpy_mnrl(emb, np.ones(5), 20.0, positive), abs=1e-5)
+    plain = float(contrastive.batch_loss(ContrastiveConfig("mnrl"), jnp.asarray(emb), jnp.asarray(targets)))
+    assert plain > got + 0.5  # counted as negatives, the copies would halve each anchor's chance of its passage
 
 
 @pytest.mark.parametrize("symmetric", [False, True])
@@ -126,7 +141,9 @@ def grads_of(batch: dict, accum: int, cfg: ContrastiveConfig, shard: bool) -> tu
         batch = {k: jax.device_put(v, jax.devices()[0]) for k, v in batch.items()}
         params = jax.device_put(params, jax.devices()[0])
     grads, loss = fn(params, batch)
-    return float(loss), [np.asarray(g) for g in jax.tree.leaves(grads)]
+    found = [np.asarray(g) for g in jax.tree.leaves(grads)]
+    assert all(np.all(np.isfinite(g)) for g in found)  # the filler row's zero vector included
+    return float(loss), found
 
 
 @pytest.mark.parametrize("loss", ["mnrl", "cosent"])

@@ -144,6 +144,8 @@ def test_finetune_embedding_then_embed(embedding_run, model_dir, tmp_path):
     before = retrieval_scores(zero["query"], np.concatenate([zero["passage"], zero["negative"]])[keep], relevant,
                               [str(i) for i in range(len(keep))])  # fmt: skip
     assert expected["ndcg@10"] > before["ndcg@10"] + 0.05
+    card = (out / "fold-0" / "model" / "README.md").read_text(encoding="utf-8")
+    assert "library_name: sentence-transformers" in card and "SentenceTransformer(" in card
     st = SentenceTransformer(str(out / "fold-0" / "model"), device="cpu")
     assert np.min(cosines(st.encode([r["query"] for r in rows]), vec["query"])) >= 1 - 1e-5
     api = bertforge.embed(out, [r["query"] for r in rows[:3]])
@@ -199,3 +201,59 @@ def test_malformed_pair_tables_are_one_line(model_dir, tmp_path, capsys, table, 
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"error: {data}: ") and message in err and "\n" not in err
     assert not (tmp_path / "run").exists()
+
+
+# ------------------------------------------------------------------------------------------------ BEIR folders
+def beir_folder(root: Path) -> Path:
+    """A BEIR folder: 12 documents (some titled), 5 queries, graded judgements, one query without any."""
+    rows = pair_rows(12, 7)
+    root.mkdir(parents=True)
+    corpus = [{"_id": f"d{i}", "title": "city" if i % 3 == 0 else "", "text": r["passage"]} for i, r in enumerate(rows)]
+    (root / "corpus.jsonl").write_text("".join(json.dumps(c) + "\n" for c in corpus), encoding="utf-8")
+    queries = [{"_id": f"q{i}", "text": rows[i]["query"]} for i in range(5)]
+    (root / "queries.jsonl").write_text("".join(json.dumps(q) + "\n" for q in queries), encoding="utf-8")
+    (root / "qrels").mkdir()
+    judged = ["query-id\tcorpus-id\tscore", "q0\td0\t1", "q1\td1\t2", "q1\td7\t1", "q2\td2\t1", "q3\td3\t1"]
+    (root / "qrels" / "test.tsv").write_text("\n".join(judged) + "\n", encoding="utf-8")
+    return root
+
+
+def test_evaluate_retrieval_on_a_beir_folder_equals_trec_eval_measures_of_the_embeddings(model_dir, tmp_path):
+    from test_retrieval import reference_measures
+
+    folder = beir_folder(tmp_path / "beir")
+    assert cli(["evaluate-retrieval", "--model", str(model_dir), "--data", str(folder), "--out",
+                str(tmp_path / "scores.json")]) == 0  # fmt: skip
+    got = json.loads((tmp_path / "scores.json").read_text())
+    pre = load_model(model_dir, head="embedding")
+    corpus = [json.loads(line) for line in (folder / "corpus.jsonl").read_text().splitlines()]
+    docs = embed(pre, [f"{c['title']} {c['text']}".strip() for c in corpus])
+    queries = embed(pre, [json.loads(line)["text"] for line in (folder / "queries.jsonl").read_text().splitlines()])
+    unit = lambda x: x / np.linalg.norm(x, axis=1, keepdims=True)  # noqa: E731
+    scores = unit(queries) @ unit(docs).T
+    grades = [{"d0": 1}, {"d1": 2, "d7": 1}, {"d2": 1}, {"d3": 1}]  # q4 has none: left out
+    expected = []
+    for q, judged in enumerate(grades):
+        ranked = sorted((c["_id"] for c in corpus), key=lambda d: (scores[q, int(d[1:])], d), reverse=True)
+        expected.append(reference_measures(ranked, judged))
+    assert got["queries"] == 4 and got["documents"] == 12
+    for name in ("ndcg@10", "mrr@10", "recall@10"):
+        assert got[name] == pytest.approx(np.mean([e[name] for e in expected]), abs=1e-6), name
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (lambda f: (f / "qrels" / "test.tsv").unlink(), "qrels/test.tsv: missing"),
+        (lambda f: (f / "corpus.jsonl").write_text('{"_id": "d0", "text": "a"}\nnot json\n'), "line 2 is not JSON"),
+        (lambda f: (f / "queries.jsonl").write_text('{"_id": "q0"}\n'), "line 1 has no 'text'"),
+        (lambda f: (f / "qrels" / "test.tsv").write_text("q0\td99\t1\n"), "document 'd99' is not in corpus.jsonl"),
+        (lambda f: (f / "qrels" / "test.tsv").write_text("q0 d0 1\n"), "line 1: expected query-id, corpus-id"),
+    ],
+)
+def test_a_malformed_beir_folder_is_one_line(model_dir, tmp_path, capsys, damage, message):
+    folder = beir_folder(tmp_path / "beir")
+    damage(folder)
+    assert cli(["evaluate-retrieval", "--model", str(model_dir), "--data", str(folder)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {folder}") and message in err and "\n" not in err, err

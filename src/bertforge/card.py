@@ -19,15 +19,17 @@ CARD = "README.md"
 CURVES = "curves.png"
 
 PIPELINES = {"mlm": "fill-mask", "sequence": "text-classification", "token": "token-classification",
-             "span": "question-answering", "choice": "multiple-choice", "rtd": "feature-extraction"}  # fmt: skip
+             "span": "question-answering", "choice": "multiple-choice", "rtd": "feature-extraction",
+             "embedding": "sentence-similarity"}  # fmt: skip
 WHAT = {"mlm": "masked-language model", "sequence": "sequence-classification model",
         "token": "token-classification model", "span": "extractive question-answering model",
         "choice": "multiple-choice model",
-        "rtd": "replaced-token detection discriminator (fine-tune it with a task head)"}  # fmt: skip
+        "rtd": "replaced-token detection discriminator (fine-tune it with a task head)",
+        "embedding": "sentence-embedding model"}  # fmt: skip
 # A discriminator loads as its encoder everywhere; its detection head only in ElectraForPreTraining.
 AUTO = {"mlm": "AutoModelForMaskedLM", "sequence": "AutoModelForSequenceClassification",
         "token": "AutoModelForTokenClassification", "span": "AutoModelForQuestionAnswering",
-        "choice": "AutoModelForMultipleChoice", "rtd": "AutoModel"}  # fmt: skip
+        "choice": "AutoModelForMultipleChoice", "rtd": "AutoModel", "embedding": "AutoModel"}  # fmt: skip
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.\-]*/[\w.\-]+")
 
 
@@ -35,7 +37,8 @@ def _metadata(
     model: ModelConfig, head: str, pipeline: str, metrics: list[str], base_model: str, language: tuple[str, ...],
     datasets: tuple[str, ...], license: str,
 ) -> dict[str, Any]:  # fmt: skip
-    meta: dict[str, Any] = {"library_name": "transformers"}
+    # An embedding model is a sentence-transformers folder: the Hub shows it with that library's widget.
+    meta: dict[str, Any] = {"library_name": "sentence-transformers" if head == "embedding" else "transformers"}
     if license:
         meta["license"] = license
     if language:
@@ -47,6 +50,7 @@ def _metadata(
         meta["base_model"] = base_model
     meta["pipeline_tag"] = pipeline
     meta["tags"] = ["bertforge", config_to_hf(model, head)["model_type"], pipeline]
+    meta["tags"] += ["sentence-transformers"] if head == "embedding" else []
     if metrics:
         meta["metrics"] = metrics
     return meta
@@ -77,6 +81,17 @@ def _model_kind(head: str, task: str) -> tuple[str, str, str]:
         found = TASKS[task]
         return found.PIPELINE_TAG, found.DESCRIPTION, found.AUTO_CLASS
     return PIPELINES[head], WHAT[head], AUTO[head]
+
+
+def _usage(head: str, auto: str, where: str) -> list[str]:
+    """The card's lines of Python that load the model."""
+    if head == "embedding":
+        return ["from sentence_transformers import SentenceTransformer", "",
+                f'model = SentenceTransformer("{where}")',
+                'vectors = model.encode(["A first text.", "A second one."])']  # fmt: skip
+    return [f"from transformers import AutoTokenizer, {auto}", "",
+            f'tokenizer = AutoTokenizer.from_pretrained("{where}")',
+            f'model = {auto}.from_pretrained("{where}")']  # fmt: skip
 
 
 def model_card(
@@ -117,10 +132,7 @@ def model_card(
         + ".",
         "",
         "```python",
-        f"from transformers import AutoTokenizer, {auto}",
-        "",
-        f'tokenizer = AutoTokenizer.from_pretrained("{where}")',
-        f'model = {auto}.from_pretrained("{where}")',
+        *_usage(head, auto, where),
         "```",
         "",
         "## Results",

@@ -14,6 +14,7 @@ from typing import Any
 
 from bertforge.errors import StorageError, UserError, failed_collective, storage_problem
 from bertforge.flags import Alias, Command, Formatter, Parser, Version, add_flags, build_config, options
+from bertforge.runtime.allocator import NOTE as ALLOCATOR_NOTE
 
 
 def _model_keys(args: argparse.Namespace) -> list[str]:
@@ -34,16 +35,7 @@ def _preprocess(cfg: Any, args: argparse.Namespace) -> int:
 
     if cfg.valid_files:  # held-out files take the place of a held-out share
         cfg = dataclasses.replace(cfg, valid_fraction=0.0)
-    m = preprocess.main(cfg)
-    train, valid, stats = m["splits"]["train"], m["splits"]["valid"], m["stats"]
-    rate = m["text_tokens"] / max(stats["seconds"], 1e-9)
-    padding = f", {train['padding']:.1%} padding" if "padding" in train else ""  # absent from older shards
-    kind = m["mode"] + ", packed" * m.get("packed", False) + padding
-    print(
-        f"{train['sequences']:,} train sequences in {len(train['shards'])} shard(s), {valid['sequences']:,} valid "
-        f"sequences, {m['seq_len']} tokens each ({kind}); {m['text_tokens']:,} text tokens in {stats['seconds']:.1f} s "
-        f"({rate:,.0f} tokens/s), peak memory {stats['peak_memory_mb']:.0f} MB -> {cfg.out}/manifest.json"
-    )
+    print(preprocess.describe(preprocess.main(cfg), cfg.out))
     return 0
 
 
@@ -117,6 +109,15 @@ def _embed(cfg: Any, args: argparse.Namespace) -> int:
 
     vectors = embed.main(cfg)
     print(f"wrote {vectors.shape[0]} vectors of {vectors.shape[1]} values -> {cfg.out}")
+    return 0
+
+
+def _evaluate_retrieval(cfg: Any, args: argparse.Namespace) -> int:
+    from bertforge.tasks import retrieve
+
+    found = retrieve.main(cfg)
+    print(" ".join(f"{k} {v:.4f}" for k, v in found.items() if isinstance(v, float)) + f" ({found['queries']} queries, "
+          f"{found['documents']} documents)")  # fmt: skip
     return 0
 
 
@@ -227,6 +228,11 @@ COMMANDS: dict[str, Command] = {
     "embed": Command(
         "a vector per text, by an embedding model or any encoder", "bertforge.tasks.embed:EmbedConfig", _embed
     ),
+    "evaluate-retrieval": Command(
+        "nDCG@10, MRR@10 and Recall@k of an embedding model on a BEIR folder or a pairs table",
+        "bertforge.tasks.retrieve:RetrievalConfig",
+        _evaluate_retrieval,
+    ),
     "finetune": Command(
         "fine-tune a sequence, token, span, choice or embedding model with k folds; the same command again resumes",
         "bertforge.tasks.finetune:FinetuneConfig",
@@ -270,14 +276,6 @@ COMMANDS: dict[str, Command] = {
     ),
     "demo": Command("the whole pipeline on a built-in corpus (no download)", "bertforge.tasks.demo:DemoConfig", _demo),
 }
-
-
-ALLOCATOR_NOTE = (
-    "When JAX runs on the CPU, the command runs itself again once at start-up with glibc allocator tunables "
-    "(GLIBC_TUNABLES) that keep the memory XLA frees between steps; they were measured to help XLA's CPU runtime "
-    "only, so they are not applied where a GPU or TPU backend is installed or JAX_PLATFORMS names one first. "
-    "BERTFORGE_ALLOCATOR=system turns them off."
-)
 
 
 def build_parser(commands: Collection[str] | None = None) -> argparse.ArgumentParser:

@@ -29,8 +29,9 @@ class PairTexts:
 
 def read(path: str, cfg: TableConfig, scored: bool) -> Table:
     """The rows of `path`: data.text_column, data.text_pair_column and data.negative_columns, and with `scored`
-    data.target_columns[0]. Targets (R, 3): the score (1 without one), 1 (a real row, not a batch's filler), and
-    the row's index, by which the metrics find its texts."""
+    data.target_columns[0]. Targets (R, 4): the score (1 without one), 1 (a real row, not a batch's filler), the
+    row's index, by which the metrics find its texts, and its positive's id (the first row with that text), by which
+    the loss knows one passage found by several anchors."""
     columns, rows = tabular.read_table(path, quoted_tsv=cfg.quoted_tsv)
     if not rows:
         raise UserError(f"{path}: no rows")
@@ -44,7 +45,9 @@ def read(path: str, cfg: TableConfig, scored: bool) -> Table:
     texts = [tabular.text_column(path, columns, rows, c) for c in names]
     n = len(rows)
     score = tabular.numeric_column(path, columns, rows, cfg.target_columns[0]) if scored else np.ones(n)
-    targets = np.stack([score, np.ones(n), np.arange(n)], axis=1).astype(np.float32)
+    first: dict[str, int] = {}
+    positive = [first.setdefault(t, i) for i, t in enumerate(texts[1])]  # a passage's id: its first row
+    targets = np.stack([score, np.ones(n), np.arange(n), positive], axis=1).astype(np.float32)
     id_column = cfg.id_column or ("id" if "id" in columns else None)
     ids = tabular.plain_column(path, columns, rows, id_column) if id_column else None
     groups = tabular.plain_column(path, columns, rows, cfg.group_column) if cfg.group_column else None

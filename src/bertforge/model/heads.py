@@ -72,8 +72,10 @@ def pool_tokens(hidden: jax.Array, attention_mask: jax.Array, how: str, score: j
 
 
 def unit_length(x: jax.Array, eps: float = 1e-12) -> jax.Array:
-    """x (..., D) scaled to unit length along D; a zero vector stays zero (torch's F.normalize)."""
-    return x / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), eps)
+    """x (..., D) scaled to unit length along D; a zero vector stays zero (torch's F.normalize). The norm is taken
+    as sqrt(max(|x|^2, eps^2)), whose gradient at zero is 0, where jnp.linalg.norm's is NaN (a batch's filler
+    rows pool to zero vectors)."""
+    return x / jnp.sqrt(jnp.maximum(jnp.sum(x * x, axis=-1, keepdims=True), eps * eps))
 
 
 class SequenceHead(nnx.Module):

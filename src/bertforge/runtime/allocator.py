@@ -22,6 +22,14 @@ import os
 import sys
 from collections.abc import Mapping
 
+# What `bertforge --help` says of the re-run.
+NOTE = (
+    "When JAX runs on the CPU, the command runs itself again once at start-up with glibc allocator tunables "
+    "(GLIBC_TUNABLES) that keep the memory XLA frees between steps; they were measured to help XLA's CPU runtime "
+    "only, so they are not applied where a GPU or TPU backend is installed or JAX_PLATFORMS names one first. "
+    "BERTFORGE_ALLOCATOR=system turns them off."
+)
+
 TUNABLES = {
     "glibc.malloc.hugetlb": "1",  # madvise(MADV_HUGEPAGE) on the heap: huge pages, far fewer faults
     "glibc.malloc.mmap_threshold": str(32 * 2**20),  # glibc's maximum: buffers below it come from the heap

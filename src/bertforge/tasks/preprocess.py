@@ -170,3 +170,16 @@ def _write_shards(
         splits[split]["documents"] = documents[split]
         splits[split]["split_sentences"] = packers[split].split_sentences
     return start, splits, text_tokens
+
+
+def describe(m: dict[str, Any], out: str) -> str:
+    """The line `bertforge preprocess` prints of a manifest `m` it wrote to `out`."""
+    train, valid, stats = m["splits"]["train"], m["splits"]["valid"], m["stats"]
+    rate = m["text_tokens"] / max(stats["seconds"], 1e-9)
+    padding = f", {train['padding']:.1%} padding" if "padding" in train else ""  # absent from older shards
+    kind = m["mode"] + ", packed" * m.get("packed", False) + padding
+    return (
+        f"{train['sequences']:,} train sequences in {len(train['shards'])} shard(s), {valid['sequences']:,} valid "
+        f"sequences, {m['seq_len']} tokens each ({kind}); {m['text_tokens']:,} text tokens in {stats['seconds']:.1f} s "
+        f"({rate:,.0f} tokens/s), peak memory {stats['peak_memory_mb']:.0f} MB -> {out}/manifest.json"
+    )

@@ -40,18 +40,25 @@ def cosine_matrix(a: jax.Array, b: jax.Array) -> jax.Array:
     return jnp.einsum("md,kd->mk", unit_length(a.astype(jnp.float32)), unit_length(b.astype(jnp.float32)))
 
 
-def mnrl(emb: jax.Array, real: jax.Array, scale: float, symmetric: bool = False) -> jax.Array:
+def mnrl(
+    emb: jax.Array, real: jax.Array, scale: float, symmetric: bool = False, positive: jax.Array | None = None
+) -> jax.Array:
     """Multiple-negatives ranking: emb (B, N, D) -> (B,) per anchor, the cross-entropy of its own positive among
     every row's positive and hard negatives (scale x cosine); 0 for filler rows. Symmetric: averaged with the
-    cross-entropy of the anchor among all anchors, for its positive."""
+    cross-entropy of the anchor among all anchors, for its positive. `positive` (B,): an id of each row's positive
+    text; another row's positive with the same id (the same passage, found by several queries) is not counted as
+    a negative, as sentence-transformers' no-duplicates batches avoid it."""
     b, n, d = emb.shape
     candidates = jnp.swapaxes(emb[:, 1:], 0, 1).reshape((n - 1) * b, d)  # positives, then each negative column
     scores = scale * cosine_matrix(emb[:, 0], candidates)  # (B, (N-1) B)
-    open_ = jnp.tile(real > 0, n - 1)  # ((N-1) B,): a filler row's texts are no candidates
+    open_ = jnp.tile(real > 0, n - 1)[None, :]  # (1, (N-1) B): a filler row's texts are no candidates
     labels = jnp.arange(b)
+    if positive is not None:  # (B, B): another row's copy of the own positive is closed
+        copy = (positive[:, None] == positive[None, :]) & (labels[:, None] != labels[None, :])
+        open_ = open_ & jnp.concatenate([~copy, jnp.ones((b, (n - 2) * b), bool)], axis=1)
     forward = optax.softmax_cross_entropy_with_integer_labels(jnp.where(open_, scores, NEG), labels)
     if symmetric:
-        backward = jnp.where(real[None, :] > 0, scores[:, :b].T, NEG)  # (B, B): each positive against the anchors
+        backward = jnp.where(open_[:, :b].T & (real[:, None] > 0), scores[:, :b].T, NEG)  # each positive's anchors
         forward = (forward + optax.softmax_cross_entropy_with_integer_labels(backward, labels)) / 2
     return jnp.where(real > 0, forward, 0.0)
 
@@ -78,15 +85,16 @@ def batch_loss(cfg: ContrastiveConfig, emb: jax.Array, targets: jax.Array) -> ja
 
 
 def per_row(cfg: ContrastiveConfig, emb: jax.Array, targets: jax.Array) -> jax.Array:
-    """emb (B, N, D), targets (B, 2+): [score, real, ...] -> (B,) losses, whose mean over the real rows is the
-    batch's; summed over cfg.matryoshka's sizes when given (each the loss of the vectors' first d values, as
-    sentence-transformers' MatryoshkaLoss with weights 1)."""
+    """emb (B, N, D), targets (B, 2+): [score, real, row, positive's id] -> (B,) losses, whose mean over the real
+    rows is the batch's; summed over cfg.matryoshka's sizes when given (each the loss of the vectors' first d
+    values, as sentence-transformers' MatryoshkaLoss with weights 1)."""
     scores, real = targets[:, 0], targets[:, 1]
+    positive = targets[:, 3] if targets.shape[1] > 3 else None
 
     def one(e: jax.Array) -> jax.Array:
         if cfg.loss == "cosent":
             return cosent(e, scores, real, cfg.scale)
-        return mnrl(e, real, cfg.scale, cfg.symmetric)
+        return mnrl(e, real, cfg.scale, cfg.symmetric, positive)
 
     if not cfg.matryoshka:
         return one(emb)
