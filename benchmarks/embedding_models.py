@@ -49,14 +49,11 @@ def split_pairs(data: Path, work: Path, fraction: float) -> dict[str, int]:
     """train.csv and valid.csv ((id, question, passage) rows) and passages.json (every passage) in `work`; `fraction`
     of the training articles, by a seeded shuffle of their sorted titles, train."""
     import csv
-    import random
+
+    from questions_and_choices import split_articles
 
     squad = json.loads(data.read_text(encoding="utf-8"))
-    titles = sorted(a["title"] for a in squad["data"])
-    valid_titles = {t for i, t in enumerate(titles) if i % 5 == 0}
-    train_titles = [t for t in titles if t not in valid_titles]
-    random.Random(0).shuffle(train_titles)
-    kept = set(train_titles[: max(1, round(fraction * len(train_titles)))])
+    valid_titles, kept = split_articles([a["title"] for a in squad["data"]], fraction)
     rows: dict[str, list] = {"train": [], "valid": []}
     passages = []
     for article in squad["data"]:
@@ -83,9 +80,9 @@ def read_csv(path: Path) -> list[dict[str, str]]:
 
 
 # ------------------------------------------------------------------------------------------------------ scoring
-def final_scores(folder: str, work: Path, sts: Path, bf16: bool) -> dict[str, float]:
+def final_scores(folder: str, work: Path, sts: Path, bf16: bool, max_length: int) -> dict[str, float]:
     """nDCG@10 and MRR@10 of the evaluation questions over every passage, and JSTS Spearman, of a model folder
-    encoded by sentence-transformers."""
+    encoded by sentence-transformers, texts cut at `max_length` tokens."""
     import numpy as np
     import torch
     from scipy.stats import spearmanr
@@ -95,6 +92,7 @@ def final_scores(folder: str, work: Path, sts: Path, bf16: bool) -> dict[str, fl
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = SentenceTransformer(folder, device=device, model_kwargs={"dtype": torch.bfloat16} if bf16 else None)
+    model.max_seq_length = max_length
     encode = lambda texts: np.asarray(model.encode(texts, batch_size=EVAL_BATCH, convert_to_numpy=True), np.float32)  # noqa: E731
     passages = json.loads((work / "passages.json").read_text(encoding="utf-8"))
     rows = read_csv(work / "valid.csv")
@@ -230,7 +228,7 @@ def main() -> None:
     counts = split_pairs(Path(args.data), work, args.train_fraction)
     print(f"split: {counts}", flush=True)
     rows = [{"system": "zero-shot (not fine-tuned)", "seed": "-", **counts,
-             **final_scores(args.model, work, Path(args.sts), args.bf16)}]  # fmt: skip
+             **final_scores(args.model, work, Path(args.sts), args.bf16, args.max_length)}]  # fmt: skip
     systems = [("bertforge", _bertforge), ("sentence-transformers Trainer (PyTorch)", _st)]
     for seed in args.seeds:
         args.seed = seed
@@ -239,7 +237,7 @@ def main() -> None:
             subprocess.run(["rm", "-rf", str(out)], check=True)
             result, folder = run(args, work, out)
             rows.append({"system": system, "seed": seed, **counts, **result,
-                         **final_scores(folder, work, Path(args.sts), args.bf16)})  # fmt: skip
+                         **final_scores(folder, work, Path(args.sts), args.bf16, args.max_length)})  # fmt: skip
             print(json.dumps(rows[-1]), flush=True)
     _report(args, name, rows)
 

@@ -65,15 +65,21 @@ N_BEST, MAX_ANSWER = 20, 30  # run_qa's n_best_size and max_answer_length
 
 
 # ------------------------------------------------------------------------------------------------------- data
+def split_articles(titles: list[str], fraction: float) -> tuple[set[str], set[str]]:
+    """(evaluation titles, training titles): every fifth of the sorted titles to evaluation; `fraction` of the
+    others, by a seeded shuffle of their sorted titles, to training."""
+    ordered = sorted(titles)
+    valid_titles = {t for i, t in enumerate(ordered) if i % 5 == 0}
+    train_titles = [t for t in ordered if t not in valid_titles]
+    random.Random(0).shuffle(train_titles)
+    return valid_titles, set(train_titles[: max(1, round(fraction * len(train_titles)))])
+
+
 def split_questions(data: Path, work: Path, fraction: float) -> dict[str, int]:
     """train.json and valid.json (SQuAD JSON) in `work`: the articles whose index among the sorted titles is a
     multiple of 5 to valid.json; `fraction` of the others, by a seeded shuffle of their sorted titles, to train.json."""
     squad = json.loads(data.read_text(encoding="utf-8"))
-    titles = sorted(a["title"] for a in squad["data"])
-    valid_titles = {t for i, t in enumerate(titles) if i % 5 == 0}
-    train_titles = [t for t in titles if t not in valid_titles]
-    random.Random(0).shuffle(train_titles)
-    kept = set(train_titles[: max(1, round(fraction * len(train_titles)))])
+    valid_titles, kept = split_articles([a["title"] for a in squad["data"]], fraction)
     count = lambda arts: sum(len(p["qas"]) for a in arts for p in a["paragraphs"])  # noqa: E731
     parts = {"train": [a for a in squad["data"] if a["title"] in kept],
              "valid": [a for a in squad["data"] if a["title"] in valid_titles]}  # fmt: skip

@@ -135,6 +135,15 @@ def test_finetune_embedding_then_embed(embedding_run, model_dir, tmp_path):
     relevant = [{keep.index(first[r["passage"]]): 1.0} for r in rows]
     expected = retrieval_scores(vec["query"], doc_vectors, relevant, [str(i) for i in range(len(keep))])
     assert summary["folds"][0]["score"] == pytest.approx(expected["ndcg@10"], abs=1e-4)
+    # evaluate-retrieval on the pairs table: each query's passage among the distinct passages.
+    assert cli(["evaluate-retrieval", "--model", str(out), "--data", str(valid), "--query-column", "query",
+                "--out", str(tmp_path / "scores.json")]) == 0  # fmt: skip
+    passages = list(dict.fromkeys(r["passage"] for r in rows))
+    first_row = [next(i for i, r in enumerate(rows) if r["passage"] == p) for p in passages]
+    alone = retrieval_scores(vec["query"], vec["passage"][first_row], [{passages.index(r["passage"]): 1.0}
+                             for r in rows], [str(i) for i in range(len(passages))])  # fmt: skip
+    found = json.loads((tmp_path / "scores.json").read_text())
+    assert found["documents"] == len(passages) and found["ndcg@10"] == pytest.approx(alone["ndcg@10"], abs=1e-4)
     # oof.csv's cosine is the query's and passage's.
     oof = read_rows(out / "oof.csv")
     np.testing.assert_allclose([float(r["cosine"]) for r in oof], cosines(vec["query"], vec["passage"]), atol=1e-5)

@@ -33,8 +33,8 @@ def read_judged(path: str, split: str = "test", query_column: str = "query", doc
         raise UserError(f"{path}: no rows")
     queries = tabular.text_column(path, columns, rows, query_column)
     docs = tabular.text_column(path, columns, rows, doc_column)
-    index = {d: i for i, d in reversed(list(enumerate(dict.fromkeys(docs))))}
-    unique = list(index)
+    unique = list(dict.fromkeys(docs))
+    index = {d: i for i, d in enumerate(unique)}
     ids = tabular.plain_column(path, columns, rows, "id") if "id" in columns else [str(i) for i in range(len(rows))]
     return Judged(ids, queries, [str(i) for i in range(len(unique))], unique, [{index[d]: 1.0} for d in docs])
 

@@ -12,6 +12,15 @@ import numpy as np
 
 from bertforge.data.labelled import Table, TableConfig
 from bertforge.finetuning import pairs
+from bertforge.finetuning.pairs import (  # noqa: F401 (what both embedding tasks do alike)
+    column_names,
+    out_of_fold,
+    output_names,
+    prediction_columns,
+    rows,
+    run_info,
+    strata,
+)
 from bertforge.train.retrieval import retrieval_scores
 
 NAME = "embedding"
@@ -43,12 +52,3 @@ def scores(outputs: np.ndarray, targets: np.ndarray, names: Sequence[str], sourc
             docs[doc_of[t]] = emb[r, j]
     relevant = [{doc_of[row[1]]: 1.0} for row in texts]
     return retrieval_scores(emb[:, 0], docs, relevant, [str(i) for i in range(len(docs))])
-
-
-output_names = pairs.output_names
-rows = pairs.rows
-run_info = pairs.run_info
-strata = pairs.strata
-column_names = pairs.column_names
-prediction_columns = pairs.prediction_columns
-out_of_fold = pairs.out_of_fold

@@ -11,6 +11,15 @@ import numpy as np
 
 from bertforge.data.labelled import Table, TableConfig
 from bertforge.finetuning import pairs
+from bertforge.finetuning.pairs import (  # noqa: F401 (what both embedding tasks do alike)
+    column_names,
+    out_of_fold,
+    output_names,
+    prediction_columns,
+    rows,
+    run_info,
+    strata,
+)
 from bertforge.train import metrics
 
 NAME = "similarity"
@@ -31,12 +40,3 @@ def scores(outputs: np.ndarray, targets: np.ndarray, names: Sequence[str], sourc
     """Spearman's and Pearson's correlation of each pair's cosine with its score."""
     found = metrics.regression(pairs.cosines(pairs.embeddings(outputs, names)), targets[:, 0])
     return {"spearman": found["spearman"], "pearson": found["pearson"]}
-
-
-output_names = pairs.output_names
-rows = pairs.rows
-run_info = pairs.run_info
-strata = pairs.strata
-column_names = pairs.column_names
-prediction_columns = pairs.prediction_columns
-out_of_fold = pairs.out_of_fold
