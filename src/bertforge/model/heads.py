@@ -62,7 +62,7 @@ def pool_tokens(hidden: jax.Array, attention_mask: jax.Array, how: str, score: j
     x = hidden.astype(jnp.float32)
     valid = attention_mask.astype(bool)  # (B, T)
     if how == "max":
-        top = jnp.max(jnp.where(valid[..., None], x, -jnp.inf), axis=1)
+        top = jnp.max(jnp.where(valid[..., None], x, MASK_VALUE), axis=1)
         return jnp.where(jnp.any(valid, axis=1, keepdims=True), top, 0.0)
     if how == "mean":
         weights = valid.astype(jnp.float32) / jnp.maximum(valid.sum(axis=1, keepdims=True), 1)

@@ -73,7 +73,10 @@ def read_pooling(folder: Path) -> Pooling | None:
         raise UserError(f"{path}: has a {odd[0]} module; bertforge computes Transformer, Pooling and Normalize only")
     if "Pooling" not in kinds:
         raise UserError(f"{path}: has no Pooling module")
-    where = folder / str(modules[kinds.index("Pooling")].get("path", "")) / "config.json"
+    inside = str(modules[kinds.index("Pooling")].get("path", ""))
+    if Path(inside).is_absolute() or ".." in Path(inside).parts:  # nothing outside the model's folder is read
+        raise UserError(f"{path}: the Pooling module's path {inside!r} leaves the folder")
+    where = folder / inside / "config.json"
     return Pooling(_mode(where), "Normalize" in kinds, _max_length(folder / "sentence_bert_config.json"))
 
 
