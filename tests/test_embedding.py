@@ -266,3 +266,14 @@ def test_a_malformed_beir_folder_is_one_line(model_dir, tmp_path, capsys, damage
     assert cli(["evaluate-retrieval", "--model", str(model_dir), "--data", str(folder)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"error: {folder}") and message in err and "\n" not in err, err
+
+
+def test_a_pooling_path_outside_the_folder_is_refused(tmp_path):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "outside" / "config.json").write_text(json.dumps({"pooling_mode": "mean"}))
+    modules = [{"idx": 0, "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "path": "../outside", "type": "sentence_transformers.models.Pooling"}]  # fmt: skip
+    (tmp_path / "m" / "modules.json").write_text(json.dumps(modules))
+    with pytest.raises(bertforge.errors.UserError, match="leaves the folder"):
+        read_pooling(tmp_path / "m")
