@@ -22,6 +22,11 @@ the head's initialisation change; the folds do not) and the table gives the mean
     python benchmarks/finetune_end_to_end.py --task commonlit --data ... --device gpu --bf16   # GPU, bf16 both sides
     .venv/bin/python benchmarks/finetune_end_to_end.py --task sentences --seeds 0 1 2 --sparse-embeddings   # a third
     .venv/bin/python benchmarks/finetune_end_to_end.py --task sentences --seeds 0 1 2 --cold-cache
+    .venv/bin/python benchmarks/finetune_end_to_end.py --task sentences --recipe defaults --epochs 1 --max-length 64
+
+`--recipe defaults` runs both tools as a new user would: bertforge with its defaults (lr 5e-5, the checkpoint's own
+dropout) and the Trainer with the same settings, trained on one table and evaluated on a separate validation table
+(`--valid-data`; for `sentences`, every fifth row of the table: 1,996 training rows and 499 validation rows).
 
 bertforge keeps the programs it compiles in a per-user cache (runtime/compile_cache.py), so a command run again, another
 seed or fold, skips most compilation. By default the runs share that cache as a user's runs would (the first
@@ -54,6 +59,25 @@ from short_texts import TASKS as SHORT_TASKS  # noqa: E402
 from short_texts import write_task  # noqa: E402
 
 SETTINGS = dict(batch_size=16, epochs=3, lr=1e-4, weight_decay=0.01, warmup=0.1, evals_per_epoch=2)
+DEFAULTS_LR = 5e-5  # bertforge finetune's default learning rate, which the defaults recipe gives both tools
+
+
+def _lr(args: argparse.Namespace) -> float:
+    return DEFAULTS_LR if args.recipe == "defaults" else SETTINGS["lr"]
+
+
+def split_table(data: str, work: Path) -> tuple[str, str]:
+    """A table cut into a training table and a validation table (every fifth row), for the defaults recipe."""
+    with open(data, newline="", encoding="utf-8") as fh:
+        reader = csv.DictReader(fh)
+        header, rows = reader.fieldnames, list(reader)
+    paths = (work / "train.csv", work / "valid.csv")
+    for path, part in zip(paths, ([r for i, r in enumerate(rows) if i % 5], rows[::5]), strict=True):
+        with open(path, "w", newline="", encoding="utf-8") as fh:
+            writer = csv.DictWriter(fh, fieldnames=header)
+            writer.writeheader()
+            writer.writerows(part)
+    return str(paths[0]), str(paths[1])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,13 +114,17 @@ def _bertforge(
     an empty one of its own with --cold-cache); `timeout`: seconds after which it is stopped."""
     task = TASKS[args.task]
     cmd = [
-        sys.executable, "-m", "bertforge.cli", "finetune",
-        "--config", str(ROOT / "configs/finetune/commonlit-minilm.yaml"),
-        "--model", args.model, "--data", args.data, "--out", str(out), "--fold", str(args.fold),
+        sys.executable, "-m", "bertforge.cli", "finetune", "--model", args.model, "--out", str(out),
         "--text-column", task.text, "--target-column", task.target, "--task", task.kind,
         f"--train.epochs={args.epochs}", f"--data.max_length={args.max_length}", f"--train.seed={args.seed}",
     ]  # fmt: skip
-    cmd += ["--data.bucket=0"] if padded else []
+    if args.recipe == "defaults":
+        cmd += ["--data", args.train_data, "--valid-data", args.valid_data]
+    else:
+        cmd += ["--config", str(ROOT / "configs/finetune/commonlit-minilm.yaml"), "--data", args.data]
+        cmd += ["--fold", str(args.fold)]
+    cmd += ["--data.bucket=0", "--data.pack=false"] if padded else []
+    cmd += [f"--data.pack={args.pack}"] if args.pack and not padded else []
     cmd += ["--train.sparse_embeddings=true"] if sparse else []
     cmd += ["--train.dtype=bfloat16"] if args.bf16 else []
     env = dict(os.environ)
@@ -107,10 +135,12 @@ def _bertforge(
         shutil.rmtree(cache, ignore_errors=True)
         env["BERTFORGE_COMPILE_CACHE"] = str(cache)
     start = time.perf_counter()
-    subprocess.run(cmd, check=True, env=env, timeout=timeout)
+    proc = subprocess.run(cmd, check=True, env=env, timeout=timeout, stderr=subprocess.PIPE, text=True)
     wall = time.perf_counter() - start
+    sys.stderr.write(proc.stderr)
     summary = json.loads((out / "summary.json").read_text())
-    records = [json.loads(line) for line in (out / f"fold-{args.fold}" / "metrics.jsonl").read_text().splitlines()]
+    fold_dir = out / f"fold-{0 if args.recipe == 'defaults' else args.fold}"
+    records = [json.loads(line) for line in (fold_dir / "metrics.jsonl").read_text().splitlines()]
     # Time in training steps: every logged window's mean step time (evaluations excluded) times its steps.
     steps_s, last = 0.0, 0
     for r in records:
@@ -119,7 +149,9 @@ def _bertforge(
             last = r["step"]
     eval_s = sum(r.get("eval_seconds", 0.0) for r in records)
     fold = summary["folds"][0]
-    return {"score": fold["score"], "wall_s": wall, "fit_s": fold["seconds"], "steps_s": steps_s, "eval_s": eval_s}
+    batches = "packed rows" if "texts packed" in proc.stderr else "uniform-length batches"
+    return {"score": fold["score"], "wall_s": wall, "fit_s": fold["seconds"], "steps_s": steps_s, "eval_s": eval_s,
+            "batches": batches}  # fmt: skip
 
 
 def _hf(args: argparse.Namespace, folds_csv: Path, out: Path, timeout: float | None = None) -> dict:
@@ -127,6 +159,7 @@ def _hf(args: argparse.Namespace, folds_csv: Path, out: Path, timeout: float | N
     cmd += ["--task", args.task, "--model", args.model, "--data", args.data, "--fold", str(args.fold)]
     cmd += ["--epochs", str(args.epochs), "--max-length", str(args.max_length), "--seeds", str(args.seed)]
     cmd += ["--device", args.device] + (["--bf16"] if args.bf16 else [])
+    cmd += ["--recipe", args.recipe]
     start = time.perf_counter()
     subprocess.run(cmd, check=True, timeout=timeout)
     wall = time.perf_counter() - start
@@ -149,10 +182,17 @@ def hf_worker(args: argparse.Namespace) -> None:
     )
 
     task = TASKS[args.task]
-    with open(args.data, newline="", encoding="utf-8") as fh:
-        rows = list(csv.DictReader(fh))
-    with open(args.folds_csv, newline="", encoding="utf-8") as fh:
-        fold_of = [int(r["fold"]) for r in csv.DictReader(fh)]
+    if args.recipe == "defaults":  # the training table, then the validation table as fold args.fold
+        rows, fold_of = [], []
+        for path, fold in ((args.train_data, -1), (args.valid_data, args.fold)):
+            with open(path, newline="", encoding="utf-8") as fh:
+                part = list(csv.DictReader(fh))
+            rows, fold_of = rows + part, fold_of + [fold] * len(part)
+    else:
+        with open(args.data, newline="", encoding="utf-8") as fh:
+            rows = list(csv.DictReader(fh))
+        with open(args.folds_csv, newline="", encoding="utf-8") as fh:
+            fold_of = [int(r["fold"]) for r in csv.DictReader(fh)]
     tok = AutoTokenizer.from_pretrained(args.model)
     classes = sorted({r[task.target] for r in rows}) if task.kind == "classification" else []
 
@@ -172,14 +212,15 @@ def hf_worker(args: argparse.Namespace) -> None:
 
     train = Table([i for i, f in enumerate(fold_of) if f != args.fold])
     valid = Table([i for i, f in enumerate(fold_of) if f == args.fold])
+    # The tuned recipe trains without dropout; the defaults keep the checkpoint's own.
+    dropout = {} if args.recipe == "defaults" else dict(
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, classifier_dropout=0.0)  # fmt: skip
     model = BertForSequenceClassification.from_pretrained(
         args.model,
         num_labels=len(classes) or 1,
         problem_type="single_label_classification" if classes else "regression",
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-        classifier_dropout=0.0,
         dtype=torch.float32,  # float32 parameters whatever the checkpoint stores
+        **dropout,
     )
     per_epoch = math.ceil(len(train) / SETTINGS["batch_size"])
     every = per_epoch // SETTINGS["evals_per_epoch"]
@@ -194,7 +235,7 @@ def hf_worker(args: argparse.Namespace) -> None:
         per_device_train_batch_size=SETTINGS["batch_size"],
         per_device_eval_batch_size=64,
         num_train_epochs=args.epochs,
-        learning_rate=SETTINGS["lr"],
+        learning_rate=_lr(args),
         weight_decay=SETTINGS["weight_decay"],
         warmup_steps=SETTINGS["warmup"],
         lr_scheduler_type="linear",
@@ -257,6 +298,9 @@ def main() -> None:
     p.add_argument("--epochs", type=float, default=SETTINGS["epochs"])
     p.add_argument("--max-length", type=int, default=None, help="default: the task's (256 or 128)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0], help="training seeds, one run of each system per seed")
+    p.add_argument("--recipe", choices=["tuned", "defaults"], default="tuned",
+                   help="tuned: CommonLit's config (no dropout, lr 1e-4) on a fold; defaults: see above")  # fmt: skip
+    p.add_argument("--pack", choices=["true", "false"], default=None, help="bertforge's data.pack (default: auto)")
     p.add_argument("--device", choices=["cpu", "gpu"], default="cpu", help="where the Trainer runs")
     p.add_argument("--bf16", action="store_true", help="bf16 compute in both systems")
     p.add_argument("--work", default=str(ROOT / "runs/bench-finetune"), help="run folders")
@@ -279,6 +323,10 @@ def main() -> None:
         write_task(args.task, Path(args.data))
     elif not args.data:
         p.error(f"--task {args.task} needs --data")
+    if args.recipe == "defaults":
+        work = work / "defaults"
+        work.mkdir(parents=True, exist_ok=True)
+        args.train_data, args.valid_data = split_table(args.data, work)
     if args.hf_worker:
         args.seed = args.seeds[0]
         hf_worker(args)
@@ -288,6 +336,8 @@ def main() -> None:
     name += ("_bf16" if args.bf16 else "") + ("_gpu" if args.device == "gpu" else "")
     name += "_sparse" if args.sparse_embeddings else ""
     name += "_cold" if args.cold_cache else ""
+    name += "_defaults" if args.recipe == "defaults" else ""
+    name += f"_pack-{args.pack}" if args.pack else ""
     if args.render:
         from report import RESULTS
 
@@ -305,11 +355,13 @@ def main() -> None:
         row = functools.partial(_row, seed=seed, epochs=args.epochs)
         bucketed_dir = work / f"bertforge-{args.compare}-{args.max_length}-seed{seed}"
         shutil.rmtree(bucketed_dir, ignore_errors=True)
-        rows.append(row("bertforge (uniform-length batches)", _bertforge(args, bucketed_dir, padded=False)))
+        result = _bertforge(args, bucketed_dir, padded=False)
+        rows.append(row(f"bertforge ({result['batches']})", result))
         if args.compare == "hf":
             hf_dir = work / f"transformers-trainer-{args.max_length}-seed{seed}"
             shutil.rmtree(hf_dir, ignore_errors=True)
-            rows.append(row("transformers Trainer (PyTorch)", _hf(args, bucketed_dir / "folds.csv", hf_dir)))
+            folds_csv = bucketed_dir / "folds.csv"  # the defaults recipe has none: a separate validation table
+            rows.append(row("transformers Trainer (PyTorch)", _hf(args, folds_csv, hf_dir)))
         else:
             padded_dir = work / f"bertforge-padded-{args.max_length}-seed{seed}"
             shutil.rmtree(padded_dir, ignore_errors=True)
@@ -406,8 +458,9 @@ def _report(args: argparse.Namespace, name: str, rows: list[dict]) -> None:
     where += ", bertforge's compile cache " + ("empty at each run" if args.cold_cache else "as the runs left it")
     label = {"commonlit": "CommonLit", "sentences": "Docstring first sentences"}[args.task]
     title = (
-        f"{label} fold {args.fold}, all-MiniLM-L6-v2, max length {args.max_length}, batch "
-        f"{SETTINGS['batch_size']}, {args.epochs:g} epochs, lr {SETTINGS['lr']:g}, {where}, "
+        f"{label} {'training and validation tables' if args.recipe == 'defaults' else f'fold {args.fold}'}, "
+        f"all-MiniLM-L6-v2, max length {args.max_length}, batch "
+        f"{SETTINGS['batch_size']}, {args.epochs:g} epochs, lr {_lr(args):g}, {where}, "
         f"seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))}"
     )
     save(

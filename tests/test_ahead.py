@@ -80,7 +80,8 @@ with open(sys.argv[1], "w") as fh:
 
 
 def test_a_k_fold_run_compiles_each_program_once(model_dir, tmp_path):
-    # Two folds, their batches padded to the two lengths of a two-rung ladder, evaluated at lengths of their own:
+    # Two folds, their batches padded (not packed) to the two lengths of a two-rung ladder, evaluated at lengths of
+    # their own:
     # the gradients' program compiles once per length for both folds, the update once, and the evaluation once
     # per evaluated length, whatever fold asks first.
     data = write_table(tmp_path / "train.csv", river_rows(160))
@@ -88,7 +89,7 @@ def test_a_k_fold_run_compiles_each_program_once(model_dir, tmp_path):
     script.write_text(COUNTING)
     argv = ["finetune", "--model", model_dir, "--data", data, "--out", tmp_path / "run", "--folds", "2",
             "--train.epochs=2", "--train.batch_size=16", "--mesh.num_devices=1", "--data.shapes=2",
-            "--train.eval_batch_size=32", "--log.progress=false"]  # fmt: skip
+            "--train.eval_batch_size=32", "--log.progress=false", "--data.pack=false"]  # fmt: skip
     env = {"BERTFORGE_COMPILE_CACHE": "off", "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"}
     proc = subprocess.run([sys.executable, str(script), str(tmp_path / "counts.json"), *map(str, argv)],
                           env=env, capture_output=True, text=True, timeout=600)  # fmt: skip

@@ -47,7 +47,7 @@ def _counted_finetune(tmp_path: Path, name: str, model_dir: Path, data: Path, en
     out = tmp_path / f"{name}.json"
     argv = ["finetune", "--model", model_dir, "--data", data, "--out", tmp_path / name, "--folds", "2", "--fold", "0",
             "--train.epochs=1", "--train.batch_size=16", "--mesh.num_devices=1", "--data.max_length=32",
-            "--data.bucket=0", "--log.progress=false"]  # fmt: skip
+            "--data.bucket=0", "--data.pack=false", "--log.progress=false"]  # fmt: skip
     proc = subprocess.run(
         [sys.executable, str(script), str(out), *map(str, argv)], env=env, capture_output=True, text=True, timeout=600
     )

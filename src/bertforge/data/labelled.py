@@ -37,6 +37,10 @@ class TableConfig:
     # Training batches per pool of shuffled rows sorted by length (batching.epoch_batches): a batch holds texts of
     # similar length. 1: plain random batches, each still padded to the shortest length that holds it.
     pool: int = POOL
+    # Sequence tasks: several texts packed into each row, attending within each (tasks/packed_batches.py): one
+    # compiled shape for training and one for evaluation. None (auto): where it is exact and computes less than
+    # the ladder's padded batches; true: wherever it is exact (else an error); false: never.
+    pack: bool | None = None
     quoted_tsv: bool = False  # .tsv tables written with CSV quoting; by default a TSV has none and '"' is text
     # Token classification: its files' format (conll, jsonl or json; default: from the file name), the tag scheme
     # trained (io, bio or bioes; default: the data's own, bio for character spans), whether every sub-token of a

@@ -30,8 +30,10 @@ from bertforge.model.layers import (
     KeyedLayer,
     dense,
     embed,
+    first_token_mask,
     input_mask,
     layer_norm,
+    query_tokens,
     rematerialized,
     sinusoids,
 )
@@ -136,34 +138,38 @@ class Layer(KeyedLayer):
         mask: jax.Array,
         first_only: bool = False,
         keys: tuple[jax.Array | None, jax.Array | None] | None = None,
+        queries: jax.Array | None = None,
     ) -> jax.Array:
         """x (B, T, D), mask (B, 1, 1, T) True where a key may be attended -> (B, T, D).
 
         With `first_only` only the first token's output is computed, (B, 1, D): all a [CLS] head needs from the
         last layer. Keys and values still come from every token, so that output is exactly the full layer's.
-        `keys` are the dropout keys of `dropout_keys()`, drawn here when not given.
+        With `queries` (Nq,), flat indices into the B*T tokens, only those tokens' outputs are computed, (Nq, 1, D),
+        each attending to the keys of its own row under mask (Nq, 1, 1, T): the first token of each text of rows
+        that pack several. `keys` are the dropout keys of `dropout_keys()`, drawn here when not given.
         """
         hidden_key, attn_key = self.dropout_keys() if keys is None else keys
         k1, k2 = jax.random.split(hidden_key) if hidden_key is not None else (None, None)
         b, t, d = x.shape
         n, h = self.cfg.num_heads, self.cfg.head_dim
-        xq = x[:, :1] if first_only else x  # (B, Q, D): the tokens whose outputs are computed
-        tq = xq.shape[1]
         # Dense layers see tokens as one (B*T, D) matrix: XLA's CPU backward of a matmul that contracts two
         # batch dimensions is slower than of the same 2-D matmul.
         x2 = x.reshape(b * t, d)
-        xq = xq.reshape(b * tq, d)
-        q = self.query(xq).reshape(b, tq, n, h)
+        xq = query_tokens(x, first_only, queries)  # (Bq*Q, D): the tokens whose outputs are computed
+        bq, tq = (b, 1 if first_only else t) if queries is None else (queries.shape[0], 1)
+        q = self.query(xq).reshape(bq, tq, n, h)
         k = self.key(x2).reshape(b, t, n, h)
         v = self.value(x2).reshape(b, t, n, h)
-        ctx = attend(q, k, v, mask, self.cfg.attention, self.cfg.dtype, self.attn_dropout, attn_key)  # (B, Q, N, H)
-        attn = self.attn_out(ctx.reshape(b * tq, d))
+        if queries is not None:  # each query's own row of keys and values
+            k, v = k[queries // t], v[queries // t]  # (Nq, T, N, H)
+        ctx = attend(q, k, v, mask, self.cfg.attention, self.cfg.dtype, self.attn_dropout, attn_key)  # (Bq, Q, N, H)
+        attn = self.attn_out(ctx.reshape(bq * tq, d))
         if self.attn_out_dropout:
             attn = self.dropout(attn, rngs=k1)
         y = self.attn_norm(xq + attn).astype(x.dtype)
         hidden = ACTIVATIONS[self.cfg.hidden_act](self.mlp_in(y))  # (B*Q, F)
         y = self.mlp_norm(y + self.dropout(self.mlp_out(hidden), rngs=k2)).astype(x.dtype)
-        return y.reshape(b, tq, d)
+        return y.reshape(bq, tq, d)
 
 
 class Encoder(EncoderBase):
@@ -185,16 +191,20 @@ class Encoder(EncoderBase):
         token_type_ids: jax.Array | None = None,
         first_only: bool = False,
         segment_ids: jax.Array | None = None,
+        starts: jax.Array | None = None,
     ) -> jax.Array:
         """-> (B, T, D); with `first_only`, the last layer computes the first token only: (B, 1, D). `segment_ids`
         (B, T), for rows that pack several sequences: k on the k-th sequence's tokens, 0 on padding; each sequence
-        then attends within itself and counts its positions from its start (attention_mask is not needed)."""
+        then attends within itself and counts its positions from its start (attention_mask is not needed); with
+        first_only, `starts` (N,) are the sequences' first tokens (flat indices), the last layer's only: (N, 1, D)."""
         if token_type_ids is None:
             token_type_ids = jnp.zeros_like(input_ids)
-        mask = input_mask(input_ids, attention_mask, segment_ids, first_only)
+        mask = input_mask(input_ids, attention_mask, segment_ids, first_only and starts is None)
         x = self.embeddings(input_ids, token_type_ids, segment_ids)
         for i, layer in enumerate(self.layers):
             last = first_only and i == len(self.layers) - 1
+            if last and starts is not None:
+                return layer(x, first_token_mask(segment_ids, starts), queries=starts)
             x = rematerialized(layer, (x, mask), first_only=last) if self.cfg.remat else layer(x, mask, first_only=last)
         return x
 

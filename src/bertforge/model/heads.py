@@ -71,6 +71,24 @@ def pool_tokens(hidden: jax.Array, attention_mask: jax.Array, how: str, score: j
     return jnp.einsum("bt,btd->bd", weights, x)
 
 
+def pool_packed(hidden: jax.Array, texts: jax.Array, starts: jax.Array, how: str) -> jax.Array:
+    """hidden (R, T, D) of rows that pack several texts, texts (R, T) each token's text (N on padding), starts (N,)
+    each text's first token in the R * T -> float32 (N, D): each text pooled as pool_tokens pools it alone
+    ('cls', 'mean' or 'max'); a text without tokens (a filler) pools to zeros, or for 'cls' to the first row's."""
+    r, t, d = hidden.shape
+    n = starts.shape[0]
+    x = hidden.reshape(r * t, d).astype(jnp.float32)  # (R*T, D)
+    if how == "cls":
+        return x[starts]
+    owner = texts.reshape(r * t)
+    counts = jax.ops.segment_sum(jnp.ones(r * t, jnp.float32), owner, num_segments=n + 1)[:n, None]  # (N, 1)
+    if how == "mean":
+        return jax.ops.segment_sum(x, owner, num_segments=n + 1)[:n] / jnp.maximum(counts, 1.0)
+    if how == "max":
+        return jnp.where(counts > 0, jax.ops.segment_max(x, owner, num_segments=n + 1)[:n], 0.0)
+    raise ValueError(f"pooling {how!r} has no packed form: cls, mean or max")
+
+
 def unit_length(x: jax.Array, eps: float = 1e-12) -> jax.Array:
     """x (..., D) scaled to unit length along D; a zero vector stays zero (torch's F.normalize). The norm is taken
     as sqrt(max(|x|^2, eps^2)), whose gradient at zero is 0, where jnp.linalg.norm's is NaN (a batch's filler
@@ -108,12 +126,16 @@ class SequenceHead(nnx.Module):
 
     def __call__(self, hidden: jax.Array, attention_mask: jax.Array) -> jax.Array:
         """hidden (B, T, D), attention_mask (B, T) -> float32 (B, L)."""
-        x = self.pool(hidden, attention_mask)  # (B, D)
+        return self.classify(self.pool(hidden, attention_mask))
+
+    def classify(self, x: jax.Array) -> jax.Array:
+        """Pooled vectors (B, D) in the encoder's dtype -> float32 (B, L)."""
+        dtype = x.dtype
         if self.dropout_first:
             x = self.dropout(x)
         x = ACTIVATIONS[self.cfg.classifier_act](self.dense(x))
         if self.norm is not None:
-            x = self.norm(x).astype(hidden.dtype)
+            x = self.norm(x).astype(dtype)
         return self.out(self.dropout(x)).astype(jnp.float32)
 
 
@@ -199,6 +221,19 @@ class SequenceClassifier(Labelled):
         # that layer saved) do, the others return every token.
         first_only = self.config.pooling == "cls"
         return self.head(self.encoder(input_ids, attention_mask, token_type_ids, first_only), attention_mask)
+
+    def packed(
+        self, input_ids: jax.Array, token_type_ids: jax.Array, segment_ids: jax.Array, texts: jax.Array,
+        starts: jax.Array,
+    ) -> jax.Array:  # fmt: skip
+        """Rows that pack several texts (data/text_packing.py): (R, T) ids, types, segment ids and texts, (N,)
+        starts -> (N, L) float32, each text's outputs as __call__ gives them for the text alone."""
+        if self.config.pooling == "cls":  # the last layer computes each text's first token only, as __call__ does
+            hidden = self.encoder(input_ids, None, token_type_ids, True, segment_ids, starts)  # (N, 1, D)
+            return self.head.classify(hidden[:, 0])
+        hidden = self.encoder(input_ids, None, token_type_ids, False, segment_ids)  # (R, T, D)
+        pooled = pool_packed(hidden, texts, starts, self.config.pooling)  # (N, D)
+        return self.head.classify(pooled.astype(hidden.dtype))
 
 
 class TokenClassifier(Labelled):

@@ -160,6 +160,37 @@ def rematerialized(layer: nnx.Module, arrays: tuple, **static: Any) -> jax.Array
     return jax.checkpoint(run)(state, arrays, keys)
 
 
+def query_tokens(x: jax.Array, first_only: bool, queries: jax.Array | None) -> jax.Array:
+    """x (B, T, D) -> the tokens a layer computes the outputs of, as one matrix: all (B*T, D), the first of each
+    row with first_only (B, D), or the flat indices `queries` (Nq, D)."""
+    b, t, d = x.shape
+    if queries is not None:
+        return x.reshape(b * t, d)[queries]
+    return (x[:, :1] if first_only else x).reshape(-1, d)
+
+
+def first_token_mask(segments: jax.Array, starts: jax.Array) -> jax.Array:
+    """(B, T) segment ids of packed rows and (N,) flat indices of the sequences' first tokens -> (N, 1, 1, T) bool:
+    the keys of each one's own sequence, in its row."""
+    t = segments.shape[1]
+    own = segments.reshape(-1)[starts]  # (N,)
+    return (segments[starts // t] == own[:, None])[:, None, None, :]
+
+
+def own_rows(
+    q: jax.Array, k: jax.Array, v: jax.Array, queries: jax.Array, mask: jax.Array, window: int | None
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, None]:
+    """q, k, v (B, T, N, H) -> the queries at the flat indices `queries` (Nq, 1, N, H), the keys and values of each
+    one's own row (Nq, T, N, H), and mask (Nq, 1, 1, T) narrowed to the local `window` about each query's column
+    (the window then is in the mask: None)."""
+    b, t = k.shape[:2]
+    q = q.reshape(b * t, *q.shape[2:])[queries][:, None]
+    if window is not None:
+        near = jnp.abs(jnp.arange(t)[None, :] - (queries % t)[:, None]) <= window  # (Nq, T)
+        mask = mask & near[:, None, None, :]
+    return q, k[queries // t], v[queries // t], mask, None
+
+
 def input_mask(
     input_ids: jax.Array, attention_mask: jax.Array | None, segments: jax.Array | None, first_only: bool
 ) -> jax.Array:

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from bertforge.model import layers
 from bertforge.model.attention import attend, segment_positions
 from bertforge.model.config import ACTIVATIONS, ModelConfig, refuse, write_fields
 from bertforge.model.dropout import Dropout
@@ -96,10 +97,10 @@ class Layer(KeyedLayer):
         positions: jax.Array | None = None,
         first_only: bool = False,
         keys: tuple[jax.Array | None, jax.Array | None] | None = None,
+        queries: jax.Array | None = None,
     ) -> jax.Array:
         """x (B, T, D), mask (B, 1, 1, T) True where a key may be attended (or (B, 1, T, T)), positions (B, T) or
-        None for 0..T-1 -> (B, T, D), or with `first_only` the first token's output only, (B, 1, D) (keys and
-        values still from every token: the same numbers)."""
+        None for 0..T-1 -> (B, T, D); `first_only` and `queries` as in bert.Layer: (B, 1, D) and (Nq, 1, D)."""
         hidden_key, attn_key = self.dropout_keys() if keys is None else keys
         probs_key, out_key = jax.random.split(attn_key) if attn_key is not None else (None, None)
         b, t, d = x.shape
@@ -108,19 +109,23 @@ class Layer(KeyedLayer):
         # (B*T, D) matrices for the dense layers: see bert.Layer.
         qkv = self.qkv(y.reshape(b * t, d)).reshape(b, t, 3, n, h)
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # (B, T, N, H)
-        if first_only:
-            q, x = q[:, :1], x[:, :1]
-        tq = q.shape[1]
-        q = rotary(q, self.theta, None if positions is None else positions[:, :tq])
         k = rotary(k, self.theta, positions)
+        q, qpos, window = (q[:, :1] if first_only else q), positions, self.window
+        if queries is not None:
+            qpos = (queries % t if positions is None else positions.reshape(-1)[queries])[:, None]  # (Nq, 1)
+            q, k, v, mask, window = layers.own_rows(q, k, v, queries, mask, window)
+        elif positions is not None:
+            qpos = positions[:, : q.shape[1]]
+        bq, tq = q.shape[:2]
+        q = rotary(q, self.theta, qpos)
         ctx = attend(
-            q, k, v, mask, self.cfg.attention, self.cfg.dtype, self.attn_dropout, probs_key, window=self.window
-        )  # (B, Q, N, H)
-        attn = self.attn_dropout(self.attn_out(ctx.reshape(b * tq, d)), rngs=out_key)
-        x = x.reshape(b * tq, d) + attn.astype(x.dtype)  # (B*Q, D)
-        inp, gate = jnp.split(self.mlp_in(self.mlp_norm(x).astype(x.dtype)), 2, axis=-1)  # (B*Q, F) each
+            q, k, v, mask, self.cfg.attention, self.cfg.dtype, self.attn_dropout, probs_key, window=window
+        )  # (Bq, Q, N, H)
+        attn = self.attn_dropout(self.attn_out(ctx.reshape(bq * tq, d)), rngs=out_key)
+        x = layers.query_tokens(x, first_only, queries) + attn.astype(x.dtype)  # (Bq*Q, D)
+        inp, gate = jnp.split(self.mlp_in(self.mlp_norm(x).astype(x.dtype)), 2, axis=-1)  # (Bq*Q, F) each
         hidden = self.dropout(ACTIVATIONS[self.cfg.hidden_act](inp) * gate, rngs=hidden_key)
-        return (x + self.mlp_out(hidden).astype(x.dtype)).reshape(b, tq, d)
+        return (x + self.mlp_out(hidden).astype(x.dtype)).reshape(bq, tq, d)
 
 
 class Encoder(EncoderBase):
@@ -144,15 +149,19 @@ class Encoder(EncoderBase):
         token_type_ids: jax.Array | None = None,
         first_only: bool = False,
         segment_ids: jax.Array | None = None,
+        starts: jax.Array | None = None,
     ) -> jax.Array:
         """-> (B, T, D); with `first_only`, the last layer computes the first token only: (B, 1, D). ModernBERT has
-        no token types: token_type_ids is ignored. `segment_ids` as in bert.Encoder: packed rows, each sequence
-        attending within itself and rotated by its own positions (ModernBERT's unpadding)."""
-        mask = input_mask(input_ids, attention_mask, segment_ids, first_only)
+        no token types: token_type_ids is ignored. `segment_ids` and `starts` as in bert.Encoder: packed rows, each
+        sequence attending within itself and rotated by its own positions (ModernBERT's unpadding)."""
+        mask = input_mask(input_ids, attention_mask, segment_ids, first_only and starts is None)
         positions = None if segment_ids is None else segment_positions(segment_ids)  # (B, T)
         x = self.embeddings(input_ids)
         for i, layer in enumerate(self.layers):
             last = first_only and i == len(self.layers) - 1
+            if last and starts is not None:
+                x = layer(x, layers.first_token_mask(segment_ids, starts), positions, queries=starts)
+                break
             args = (x, mask, positions)
             x = rematerialized(layer, args, first_only=last) if self.cfg.remat else layer(*args, first_only=last)
         return self.final_norm(x).astype(self.cfg.compute_dtype)

@@ -23,12 +23,14 @@ from bertforge.data.batching import Row, choices_of, epoch_batches, ladder, toke
 from bertforge.data.folds import FoldsConfig, check_classes, fold_plan, folds_to_run
 from bertforge.data.labelled import Table, TableConfig
 from bertforge.data.long_text import record_of, records_of
+from bertforge.data.text_packing import PackShape
 from bertforge.errors import UserError
 from bertforge.finetuning import TASKS
 from bertforge.model import dropout
 from bertforge.model.hf import Pretrained
 from bertforge.model.load import load_model
 from bertforge.runtime.devices import MeshConfig, build_mesh, param_shardings
+from bertforge.tasks import packed_batches
 from bertforge.tasks.finetune_fold import FinetuneTrainConfig, Job, scores, train_fold
 from bertforge.train import metrics
 from bertforge.train.ahead import Ahead
@@ -36,6 +38,7 @@ from bertforge.train.contrastive import ContrastiveConfig
 from bertforge.train.loss_scale import with_loss_scale
 from bertforge.train.metrics_log import LogConfig
 from bertforge.train.optim import OptimConfig, make_optimizer
+from bertforge.train.packed_step import compile_packed_step
 from bertforge.train.sequence_step import LOSSES, SequenceStepConfig, compile_train_step, predict_step
 from bertforge.train.step import new_train_state
 
@@ -121,6 +124,9 @@ def _setup(cfg: FinetuneConfig) -> Setup:
     if any(d > pre.model.config.hidden_size for d in h.matryoshka):
         raise UserError(f"head.matryoshka: {max(h.matryoshka)} is more than the model's {pre.model.config.hidden_size} "
                         "values per vector")  # fmt: skip
+    if cfg.data.pack and _not_packed(cfg, pre):
+        raise UserError(f"data.pack=true: {_not_packed(cfg, pre)}; leave data.pack unset (packed where it is exact) "
+                        "or false")  # fmt: skip
     if outputs == len(names):
         pre.id2label = dict(enumerate(names))
     limit = min(cfg.data.max_length, pre.model.config.max_seq_len)
@@ -151,7 +157,7 @@ def _ladder(encs: list[Row], cfg: FinetuneConfig, limit: int) -> tuple[int, ...]
 
 
 def _job(cfg: FinetuneConfig, run_dir: Path, pre: Pretrained, names: list[str], table: Table, valid: Table | None,
-         several: bool) -> Job:  # fmt: skip
+         fold_rows: list[np.ndarray]) -> Job:  # fmt: skip
     """The encoded tables, the mesh, the optimizer and the compiled programs every fold shares."""
     limit = min(cfg.data.max_length, pre.model.config.max_seq_len)
     assert table.encs is not None and (valid is None or valid.encs is not None)
@@ -163,16 +169,14 @@ def _job(cfg: FinetuneConfig, run_dir: Path, pre: Pretrained, names: list[str], 
     pristine = jax.device_get(params)
     shardings = param_shardings(pre.model, mesh)
     tx = with_loss_scale(make_optimizer(cfg.optim, params, pre.model.config.num_layers), pre.model.config.dtype)
-    probe = new_train_state(jax.device_put(pristine, shardings), tx, mesh)
-    state_shardings = jax.tree.map(lambda x: x.sharding, probe)
-    del probe
-    task = TASKS[cfg.head.task]
-    loss = cfg.head.loss or task.DEFAULT_LOSS
-    t = cfg.train
-    h = cfg.head
+    state_shardings = jax.tree.map(lambda x: x.sharding, new_train_state(jax.device_put(pristine, shardings), tx, mesh))
+    task, t, h = TASKS[cfg.head.task], cfg.train, cfg.head
+    loss = h.loss or task.DEFAULT_LOSS
     contrastive = ContrastiveConfig(loss, h.scale, h.symmetric, h.matryoshka) if task.HEAD == "embedding" else None
     step_cfg = SequenceStepConfig(loss, t.grad_accum, t.sparse_embeddings, row_capacity=t.batch_size * limit,
                                   dropout=dropout.draws(pre.model), contrastive=contrastive)  # fmt: skip
+    rungs = _ladder(table.encs, cfg, limit)
+    pack = _pack_shape(cfg, pre, table, valid, fold_rows, limit, shards, rungs)
     # Outputs replicated: every process reads the whole batch's predictions (metrics are global).
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     return Job(
@@ -191,7 +195,7 @@ def _job(cfg: FinetuneConfig, run_dir: Path, pre: Pretrained, names: list[str], 
         names=names,
         table=table,
         encs=table.encs,
-        rungs=_ladder(table.encs, cfg, limit),
+        rungs=rungs,
         valid_table=valid,
         valid_encs=None if valid is None else valid.encs,
         mesh=mesh,
@@ -200,13 +204,14 @@ def _job(cfg: FinetuneConfig, run_dir: Path, pre: Pretrained, names: list[str], 
         pristine=pristine,
         param_shardings=shardings,
         tx=tx,
-        step_jit=compile_train_step(graphdef, rest, tx, step_cfg, state_shardings),
+        step_jit=(compile_packed_step if pack else compile_train_step)(graphdef, rest, tx, step_cfg, state_shardings),
         forward_jit=Ahead(jax.jit(functools.partial(predict_step, graphdef, rest), out_shardings=replicated)),
         base_model=cfg.model,
         hub=cfg.hub,
         publisher=hub.open_publisher(cfg.hub),
-        hub_folder="fold-{fold}" if several else "",
+        hub_folder="fold-{fold}" if len(fold_rows) > 1 else "",
         choices=choices_of(table.encs),
+        pack=pack,
     )
 
 
@@ -223,7 +228,8 @@ def _main(
 ) -> dict[str, Any]:
     if resume == "never" and any((runs.fold_dir(run_dir, f) / runs.RESULT).exists() for f in run):
         raise UserError(f"{run_dir}: already has finished folds; use another --out, or --resume auto to continue")
-    job = _job(cfg, run_dir, pre, names, table, valid, several=len(run) > 1)
+    fold_rows = [_fold_rows(table, valid, folds, f)[0] for f in run]
+    job = _job(cfg, run_dir, pre, names, table, valid, fold_rows)
     try:
         summary = _folds(cfg, run_dir, resume, job, table, valid, run, folds)
     finally:
@@ -268,16 +274,45 @@ def _folds(
         if done is not None:
             results.append(done)
             continue
-        if folds is None:
-            train_rows, valid_rows = np.arange(len(table)), np.arange(len(valid))  # type: ignore[arg-type]
-        else:
-            of_row = folds[record_of(table)]
-            train_rows, valid_rows = np.flatnonzero(of_row != f), np.flatnonzero(of_row == f)
-        result = train_fold(job, f, train_rows, valid_rows, resume)
+        result = train_fold(job, f, *_fold_rows(table, valid, folds, f), resume)
         print(f"fold {f}: {job.metric} {result['score']:.4f} in {result['seconds']:.0f} s", flush=True)
         results.append(result)
     hub.finish(job.publisher, functools.partial(print, flush=True))
     return _summarise(cfg, job, results)
+
+
+def _fold_rows(table: Table, valid: Table | None, folds: np.ndarray | None, f: int) -> tuple[np.ndarray, np.ndarray]:
+    """Fold f's training rows (of `table`) and validation rows (of `valid`, else of `table`)."""
+    if folds is None:
+        return np.arange(len(table)), np.arange(len(valid))  # type: ignore[arg-type]
+    of_row = folds[record_of(table)]
+    return np.flatnonzero(of_row != f), np.flatnonzero(of_row == f)
+
+
+def _not_packed(cfg: FinetuneConfig, pre: Pretrained) -> str:
+    """Why the run cannot pack its texts ('' when it can): packed_batches.why_not, or the lazy table update."""
+    model = pre.model.config
+    why = packed_batches.why_not(TASKS[cfg.head.task].HEAD, model.family, model.pooling)
+    return why or ("train.sparse_embeddings updates each batch's rows" if cfg.train.sparse_embeddings else "")
+
+
+def _pack_shape(cfg: FinetuneConfig, pre: Pretrained, table: Table, valid: Table | None, fold_rows: list[np.ndarray],
+                limit: int, shards: int, rungs: tuple[int, ...]) -> PackShape | None:  # fmt: skip
+    """The shape of the run's packed batches, or None where it does not pack (packed_batches)."""
+    model = pre.model.config
+    if cfg.data.pack is False or _not_packed(cfg, pre):
+        return None
+    lengths = np.array([tokens_of(e) for e in table.encs])  # type: ignore[union-attr]
+    valid_lengths = np.array([tokens_of(e) for e in (valid.encs if valid is not None else [])])  # type: ignore[union-attr]
+    t = cfg.train
+    settings = {"batch_size": t.batch_size, "grad_accum": t.grad_accum, "epochs": t.epochs, "seed": t.seed,
+                "eval_batch_size": t.eval_batch_size, "bucket": cfg.data.bucket}  # fmt: skip
+    shape = packed_batches.plan(lengths, valid_lengths, fold_rows, limit, settings, shards)
+    if cfg.data.pack:
+        return shape
+    padded = packed_batches.ladder_work(lengths, t.batch_size, limit, cfg.data.bucket, rungs, t.seed, model)
+    packed = packed_batches.packed_work(shape, len(lengths), t.batch_size, model)
+    return shape if packed <= packed_batches.MARGIN * padded else None
 
 
 def _summarise(cfg: FinetuneConfig, job: Job, results: list[dict[str, Any]]) -> dict[str, Any]:

@@ -22,12 +22,14 @@ from bertforge.card import card_files
 from bertforge.data.batching import Row, by_length, epoch_batches, pad_batch, padded_length, tokens_of
 from bertforge.data.labelled import Table
 from bertforge.data.long_text import outputs_of_records, record_of, records_of
+from bertforge.data.text_packing import PACKED_INPUTS, PackShape
 from bertforge.finetuning import FinetuneTask
 from bertforge.hub import HubConfig, Publisher
 from bertforge.model import sentence_folder
 from bertforge.model.hf import Pretrained, save_pretrained
 from bertforge.runtime.devices import fetch, global_array
 from bertforge.tasks.model_outputs import INPUTS, outputs_by_length
+from bertforge.tasks.packed_batches import job_step_batch, packed_ahead, packed_outputs, shapes_line
 from bertforge.train import loop, metrics
 from bertforge.train.checkpoint import Checkpoints
 from bertforge.train.metrics_log import LogConfig, MetricsLog, read_metrics
@@ -93,6 +95,7 @@ class Job:
     publisher: Publisher | None = None  # process 0's pushes to hub.repo
     hub_folder: str = ""  # where in the Hub repository this run's models go: fold-K/ when it trains several
     choices: int = 0  # a multiple-choice row's choices (its batches are (B, N, T)); 0 for texts
+    pack: PackShape | None = None  # the shape of packed batches (tasks/packed_batches.py); None: padded rows
 
 
 def write_model(job: Job, fold_dir: Path, params: Any, out: Path, step: int) -> None:
@@ -150,6 +153,8 @@ def compile_ahead(job: Job, state: TrainState, key: jax.Array, lengths: np.ndarr
     """Start compiling, in background threads (train/ahead.py), the gradients' program of every length the fold's
     batches from `first_step` on are padded to, in the order the steps first need them, then the evaluation's of
     every length its batches take; nothing else. `lengths`: the training rows' token counts."""
+    if job.pack is not None:  # one training program and one evaluation program
+        return packed_ahead(job, state, key)
     size = job.train.batch_size
     per_epoch = math.ceil(len(lengths) / size)
     needed: list[int] = []
@@ -280,9 +285,8 @@ def _describe(job: Job, fold: Fold, start_step: int) -> str:
         f"fold {fold.number}: {len(fold.train_rows)} training rows, {len(fold.valid_rows)} validation rows"
         + (f" (windows of {texts} texts); " if texts < len(fold.valid_rows) else "; ")
         + f"{fold.steps} steps of {job.train.batch_size} ({fold.per_epoch} per epoch), evaluating every "
-        f"{fold.every}; texts padded to "
-        + (", ".join(map(str, job.rungs)) if job.rungs else f"multiples of {job.bucket}")
-        + " tokens"
+        f"{fold.every}; "
+        + shapes_line(job.pack, job.rungs, job.bucket)
         + (f"; resuming from step {start_step}" if start_step else "")
     )
 
@@ -290,9 +294,13 @@ def _describe(job: Job, fold: Fold, start_step: int) -> str:
 def _training_batches(job: Job, fold: Fold, first_step: int) -> Iterator[dict[str, jax.Array]]:
     """The fold's training batches from step `first_step` on, epoch after epoch, each padded to its length."""
     size, seed = job.train.batch_size, job.train.seed
+    bucket = 0 if job.pack else job.bucket  # packed steps are random batches: nothing to save by sorting
     epoch, skip = divmod(first_step, fold.per_epoch)
     while True:
-        for local in epoch_batches(fold.lengths, size, job.bucket, seed, epoch, job.pool)[skip:]:
+        for local in epoch_batches(fold.lengths, size, bucket, seed, epoch, job.pool)[skip:]:
+            if job.pack is not None:
+                yield job_step_batch(job, fold.train_rows[local])
+                continue
             length = padded_length(int(fold.lengths[local].max()), job.limit, job.bucket, job.rungs)
             batch = _batch(job, fold.train_rows[local], length)
             yield {k: global_array(v, job.mesh) for k, v in batch.items()}
@@ -303,11 +311,15 @@ def _valid_outputs(job: Job, fold: Fold, params: Any) -> np.ndarray:
     """The model's outputs on the fold's validation records (a text's windows pooled)."""
 
     def forward(batch: dict[str, np.ndarray]) -> np.ndarray:
-        out = np.asarray(job.forward_jit(params, {k: global_array(batch[k], job.mesh) for k in INPUTS}))
+        keys = PACKED_INPUTS if job.pack else INPUTS
+        out = np.asarray(job.forward_jit(params, {k: global_array(batch[k], job.mesh) for k in keys}))
         return out.reshape(len(out), -1) if job.task.HEAD == "embedding" else out  # a row's N vectors, flat
 
     pad_id, size = job.pre.tokenizer.pad_id, job.train.eval_batch_size
-    outputs = outputs_by_length(forward, fold.valid_encs, pad_id, size, job.limit, job.bucket, rungs=job.rungs)
+    if job.pack is not None:
+        outputs = packed_outputs(forward, fold.valid_encs, job.pack, pad_id)
+    else:
+        outputs = outputs_by_length(forward, fold.valid_encs, pad_id, size, job.limit, job.bucket, rungs=job.rungs)
     return outputs_of_records(job.valid_table or job.table, fold.valid_rows, outputs)[1]
 
 

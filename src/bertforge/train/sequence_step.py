@@ -1,6 +1,7 @@
 """The pure, jitted train and predict steps of fine-tuning a sequence head, and the losses by name.
 
-A batch is a dict of (B, T) input_ids / attention_mask / token_type_ids, targets ((B, L) float for regression and
+A batch is a dict of (B, T) input_ids / attention_mask / token_type_ids (or of rows that pack B texts,
+data/text_packing.py), targets ((B, L) float for regression and
 multi-label, (B,) int for classification) and weight (B,): 0 for filler rows, otherwise 1 or an importance weight.
 The loss is the weighted sum over the rows divided by the number of real rows of the whole batch, so gradient
 accumulation gives the update of the full batch.
@@ -23,6 +24,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from bertforge.data.text_packing import PACKED_INPUTS
 from bertforge.train.ahead import Ahead
 from bertforge.train.contrastive import ContrastiveConfig
 from bertforge.train.embedding_step import contrastive_gradients
@@ -196,16 +198,18 @@ def _summed_gradients(
     batch: dict[str, jax.Array],
     cfg: SequenceStepConfig,
     scale: jax.Array | None,
+    count: jax.Array | None = None,
 ) -> tuple[Any, jax.Array]:
-    """(gradients, loss) of a loss that is a sum over the batch's rows, accumulated over its micro-batches."""
+    """(gradients, loss) of a loss that is a sum over the batch's rows, accumulated over its micro-batches, and
+    divided by the batch's loss_count, or by `count` when the batch is part of a larger one."""
     loss_of = LOSSES[cfg.loss]
-    real = loss_count(cfg.loss, batch["targets"], batch["weight"])
+    real = loss_count(cfg.loss, batch["targets"], batch["weight"]) if count is None else count
     micro = {k: micro_batches(v, cfg.grad_accum) for k, v in batch.items()}
 
     def loss_fn(params: Any, xs: tuple) -> jax.Array:
         b, k = xs
         model = nnx.merge(graphdef, params, rest if k is None else with_stream_keys(rest, k))
-        outputs = model(b["input_ids"], b["attention_mask"], b["token_type_ids"])  # (b, L)
+        outputs = forward(model, b)  # (b, L)
         return scaled(jnp.sum(loss_of(outputs, b["targets"]) * b["weight"]) / real, scale)
 
     def grad_fn(params: Any, xs: tuple) -> tuple[jax.Array, Any]:
@@ -300,8 +304,16 @@ def compile_train_step(graphdef: Any, rest: Any, tx: Any, cfg: SequenceStepConfi
     return TrainStep(keys_jit, Ahead(grads_jit), Ahead(update_jit), cfg, shardings)
 
 
+def forward(model: nnx.Module, batch: dict[str, jax.Array]) -> jax.Array:
+    """The model's outputs on a batch: padded rows, or rows that pack several texts (data/text_packing.py), whose
+    outputs are per text."""
+    if "starts" in batch:
+        return model.packed(*(batch[k] for k in PACKED_INPUTS))
+    return model(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"])
+
+
 def predict_step(graphdef: Any, rest: Any, params: Any, batch: dict[str, jax.Array]) -> jax.Array:
     """(B, L) float32 outputs, no dropout."""
     model = nnx.merge(graphdef, params, rest)
     model.eval()
-    return model(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"])
+    return forward(model, batch)

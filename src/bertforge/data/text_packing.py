@@ -1,0 +1,132 @@
+"""Padding-free fine-tuning batches: a step's texts packed into a fixed number of rows of a fixed length.
+
+Each row holds several whole texts one after another; the model attends within each text (segment ids) and counts
+its positions from the text's start, and the head reads each text's own tokens, so every text's outputs are the
+ones it would have alone. Every batch of a run has the same shape, so the run compiles one training program and
+one evaluation program, whatever its texts' lengths.
+
+A packed batch holds, besides the targets and weights of its N texts:
+- input_ids, token_type_ids (R, L) int32: the texts' tokens, [PAD] after the last text of a row;
+- segment_ids (R, L) int32: k on the k-th text of its row (from 1), 0 on padding;
+- texts (R, L) int32: the index of each token's text in the batch (0..N-1), N on padding;
+- starts (N,) int32: each text's first token, as an index into the R * L tokens (0 for a filler text).
+A training step packs its texts into as many micro-batches of one shape as they need (micro_batches), each
+indexing its own texts and rows; train/packed_step.py adds up their gradients.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+from bertforge.tokenizer.load import Encoded
+
+PACKED_INPUTS = ("input_ids", "token_type_ids", "segment_ids", "texts", "starts")  # what a packed forward takes
+
+
+@dataclasses.dataclass(frozen=True)
+class PackShape:
+    """The one shape of a run's packed batches: micro-batches of `rows` rows of `length` tokens holding at most
+    `texts` texts, as many a training step as its texts need (`mean_rows` rows a step on average over the run);
+    for evaluation, `eval_rows` rows holding at most `eval_texts` texts."""
+
+    length: int
+    rows: int
+    texts: int
+    eval_rows: int
+    eval_texts: int
+    mean_rows: float = 0.0
+
+
+def first_fit(lengths: Sequence[int], length: int) -> list[list[int]]:
+    """Texts of `lengths` tokens (each at most `length`) placed in rows of `length` tokens, longest first, each
+    in the first row with room for it (first-fit decreasing); each row's texts as indices into `lengths`."""
+    rows: list[list[int]] = []
+    free: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda j: -lengths[j]):
+        n = lengths[i]
+        if n > length:
+            raise ValueError(f"a text of {n} tokens does not fit a row of {length}")
+        row = next((r for r, room in enumerate(free) if room >= n), len(rows))
+        if row == len(rows):
+            rows.append([])
+            free.append(length)
+        rows[row].append(i)
+        free[row] -= n
+    return rows
+
+
+def fill(encs: Sequence[Encoded], placed: list[list[int]], length: int, rows: int, texts: int,
+         pad_id: int) -> dict[str, np.ndarray]:  # fmt: skip
+    """The packed batch of `encs` placed in rows as `placed` says (each row's texts, indices into encs), with
+    `rows` rows and room for `texts` texts (the ones past len(encs) are fillers: no token, start 0)."""
+    if len(encs) > texts or len(placed) > rows:
+        raise ValueError(f"{len(encs)} texts in {len(placed)} rows: the batch holds {texts} texts in {rows} rows")
+    ids = np.full((rows, length), pad_id, np.int32)
+    types = np.zeros((rows, length), np.int32)
+    segments = np.zeros((rows, length), np.int32)
+    owner = np.full((rows, length), texts, np.int32)
+    starts = np.zeros(texts, np.int32)
+    for r, members in enumerate(placed):
+        at = 0
+        for k, i in enumerate(members, start=1):
+            n = len(encs[i].ids)
+            ids[r, at : at + n], types[r, at : at + n] = encs[i].ids, encs[i].type_ids
+            segments[r, at : at + n], owner[r, at : at + n] = k, i
+            starts[i] = r * length + at
+            at += n
+    return {"input_ids": ids, "token_type_ids": types, "segment_ids": segments, "texts": owner, "starts": starts}
+
+
+def pack(encs: Sequence[Encoded], length: int, rows: int, texts: int, pad_id: int) -> dict[str, np.ndarray]:
+    """`encs` packed by first_fit into `rows` rows of `length` tokens, with room for `texts` texts."""
+    placed = first_fit([len(e.ids) for e in encs], length)
+    if len(placed) > rows:
+        raise ValueError(f"{len(encs)} texts need {len(placed)} rows of {length} tokens, the batch has {rows}")
+    return fill(encs, placed, length, rows, texts, pad_id)
+
+
+Micro = tuple[dict[str, np.ndarray], list[int]]  # a packed micro-batch, and which texts it holds
+
+
+def micro_batches(encs: Sequence[Encoded], shape: PackShape, pad_id: int) -> list[Micro]:
+    """A training step's texts packed by first_fit and cut into micro-batches of shape.rows rows, as few as they
+    need: each micro-batch's packed batch, and which of `encs` it holds (in the order of its text slots)."""
+    placed = first_fit([len(e.ids) for e in encs], shape.length)
+    out = []
+    for at in range(0, len(placed), shape.rows):
+        chunk = placed[at : at + shape.rows]
+        held = [i for row in chunk for i in row]
+        local = {i: j for j, i in enumerate(held)}
+        rows = [[local[i] for i in row] for row in chunk]
+        out.append((fill([encs[i] for i in held], rows, shape.length, shape.rows, shape.texts, pad_id), held))
+    return out
+
+
+def eval_batches(lengths: np.ndarray, length: int, rows: int, texts: int) -> list[np.ndarray]:
+    """Evaluation batches: the texts longest first, each batch as many as first_fit places in `rows` rows, at most
+    `texts` of them."""
+    order = np.argsort(-np.asarray(lengths), kind="stable")
+    batches: list[np.ndarray] = []
+    i = 0
+    while i < len(order):
+        free: list[int] = []
+        j = i
+        while j < len(order) and j - i < texts:
+            n = int(lengths[order[j]])
+            row = next((r for r, room in enumerate(free) if room >= n), len(free))
+            if row == len(free):
+                if len(free) == rows:
+                    break
+                free.append(length)
+            free[row] -= n
+            j += 1
+        batches.append(order[i:j])
+        i = j
+    return batches
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple

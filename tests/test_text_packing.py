@@ -1,0 +1,238 @@
+"""Padding-free fine-tuning: texts packed into rows give each text the outputs, losses and gradients it has alone,
+and a packed k-fold run compiles one training program."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from test_architectures import init_model
+from test_compile_cache import COUNTING, _env, _total
+from test_finetune import _refused, river_rows, write_table
+
+from bertforge.data.batching import pad_batch
+from bertforge.data.text_packing import PACKED_INPUTS, PackShape, eval_batches, first_fit, micro_batches, pack
+from bertforge.model.architectures import FAMILIES, SEGMENT_FAMILIES, build
+from bertforge.model.config import ModelConfig, preset
+from bertforge.runtime.devices import global_array, make_mesh
+from bertforge.tasks import packed_batches
+from bertforge.tasks.packed_batches import step_batch
+from bertforge.tokenizer.load import Encoded
+from bertforge.train.optim import OptimConfig, make_optimizer
+from bertforge.train.packed_step import compile_packed_step
+from bertforge.train.sequence_step import SequenceStepConfig, compile_train_step, gradients, predict_step
+from bertforge.train.step import new_train_state
+
+LENGTHS = [3, 17, 9, 30, 5, 12, 2, 21, 7, 16]  # mixed lengths, one of them the row's whole length
+
+
+def texts(lengths: list[int], seed: int = 0, vocab: int = 120) -> list[Encoded]:
+    rng = np.random.default_rng(seed)
+    return [Encoded(rng.integers(5, vocab, n).tolist(), (np.arange(n) > n // 2).astype(int).tolist()) for n in lengths]
+
+
+# ------------------------------------------------------------------------------------------------ placing texts
+def test_first_fit_places_every_text_once_in_rows_that_hold_it():
+    rng = np.random.default_rng(1)
+    for _ in range(50):
+        lengths = rng.integers(1, 33, rng.integers(1, 40)).tolist()
+        rows = first_fit(lengths, 32)
+        assert sorted(i for row in rows for i in row) == list(range(len(lengths)))
+        assert all(sum(lengths[i] for i in row) <= 32 for row in rows)
+        # First fit leaves no two rows that could have been one (at most one row is half empty or less).
+        assert sum(sum(lengths[i] for i in row) <= 16 for row in rows) <= 1
+    with pytest.raises(ValueError, match="does not fit"):
+        first_fit([33], 32)
+
+
+def test_pack_puts_each_text_at_its_start_with_its_segment_and_fillers_empty():
+    encs = texts(LENGTHS)
+    batch = pack(encs, 32, 6, 12, pad_id=0)
+    flat = {k: batch[k].reshape(-1) for k in ("input_ids", "token_type_ids", "segment_ids", "texts")}
+    for i, e in enumerate(encs):
+        at, n = batch["starts"][i], len(e.ids)
+        assert flat["input_ids"][at : at + n].tolist() == e.ids
+        assert flat["token_type_ids"][at : at + n].tolist() == e.type_ids
+        assert (flat["texts"][at : at + n] == i).all() and (flat["texts"] == i).sum() == n
+        assert len(set(flat["segment_ids"][at : at + n])) == 1 and flat["segment_ids"][at] > 0
+        assert at // 32 == (at + n - 1) // 32  # within one row
+    assert (flat["texts"] >= len(encs)).sum() == (flat["segment_ids"] == 0).sum() == 6 * 32 - sum(LENGTHS)
+    assert ((flat["input_ids"] == 0) == (flat["segment_ids"] == 0)).all()
+    assert batch["starts"][len(encs) :].tolist() == [0, 0]
+    with pytest.raises(ValueError, match="need 2 rows"):
+        pack(texts([30, 30]), 32, 1, 2, pad_id=0)
+
+
+def test_eval_batches_take_every_text_once_within_the_shape():
+    lengths = np.random.default_rng(2).integers(2, 33, 200)
+    batches = eval_batches(lengths, 32, rows=4, texts=9)
+    assert sorted(np.concatenate(batches).tolist()) == list(range(200))
+    for b in batches:
+        assert len(b) <= 9 and len(first_fit(lengths[b].tolist(), 32)) <= 4
+
+
+# ------------------------------------------------------------------------------------------------ every family
+def family_config(family: str, pooling: str) -> ModelConfig:
+    # A wide initialiser makes outputs far from zero, so that a wrong token in a text shows in its outputs.
+    base = preset("test", vocab_size=120, hidden_dropout=0.0, attention_dropout=0.0, initializer_range=0.2)
+    fields = FAMILIES[family].apply(dataclasses.asdict(base))
+    # ModernBERT's local layers see 8 tokens, fewer than the longer texts: the window must stay within each text.
+    extra = {"local_attention": 8, "global_attn_every_n_layers": 2} if family == "modernbert" else {}
+    return ModelConfig(**{**fields, "family": family, "pooling": pooling, **extra})
+
+
+def padded_and_packed(cfg: ModelConfig, targets: np.ndarray) -> tuple[dict, dict]:
+    """One batch of LENGTHS' texts with a filler, padded to 32 and packed into 6 rows of 32."""
+    encs = texts(LENGTHS)
+    if not cfg.type_vocab_size:
+        encs = [Encoded(e.ids, [0] * len(e.ids)) for e in encs]
+    b = len(encs) + 2  # two fillers
+    weight = np.r_[np.ones(len(encs)), np.zeros(2)].astype(np.float32)
+    rest = {"targets": targets[:b], "weight": weight}
+    return {**pad_batch(encs, cfg.pad_token_id, 32, b), **rest}, {**pack(encs, 32, 6, b, cfg.pad_token_id), **rest}
+
+
+@pytest.mark.parametrize("family", SEGMENT_FAMILIES)
+@pytest.mark.parametrize("pooling", packed_batches.POOLINGS)
+def test_packed_texts_have_the_outputs_they_have_alone(family, pooling):
+    cfg = family_config(family, pooling)
+    graphdef, params, rest = nnx.split(build(cfg, "sequence", num_labels=3, seed=0), nnx.Param, ...)
+    padded, packed = padded_and_packed(cfg, np.zeros(12, np.int32))
+    alone = predict_step(graphdef, rest, params, {k: jnp.asarray(v) for k, v in padded.items()})
+    together = predict_step(graphdef, rest, params, {k: jnp.asarray(packed[k]) for k in PACKED_INPUTS})
+    n = len(LENGTHS)
+    np.testing.assert_allclose(np.asarray(together)[:n], np.asarray(alone)[:n], atol=1e-5, rtol=0)
+    assert np.abs(np.asarray(alone)[:n]).max() > 0.05  # outputs far enough from zero to tell texts apart
+
+
+@pytest.mark.parametrize("family", SEGMENT_FAMILIES)
+@pytest.mark.parametrize("loss", ["cross_entropy", "mse"])
+def test_packed_losses_and_gradients_equal_the_padded_ones(family, loss):
+    cfg = family_config(family, "mean" if loss == "mse" else "cls")
+    labels = 1 if loss == "mse" else 3
+    graphdef, params, rest = nnx.split(build(cfg, "sequence", num_labels=labels, seed=0), nnx.Param, ...)
+    rng = np.random.default_rng(3)
+    targets = rng.normal(size=(12, 1)).astype(np.float32) if loss == "mse" else rng.integers(0, 3, 12).astype(np.int32)
+    padded, packed = padded_and_packed(cfg, targets)
+    step = SequenceStepConfig(loss, dropout=False)
+    g1, l1, _ = gradients(graphdef, rest, params, None, {k: jnp.asarray(v) for k, v in padded.items()}, step)
+    g2, l2, _ = gradients(graphdef, rest, params, None, {k: jnp.asarray(v) for k, v in packed.items()}, step)
+    assert float(l2) == pytest.approx(float(l1), abs=1e-5)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2), strict=True):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5, rtol=0)
+    assert max(float(jnp.abs(g).max()) for g in jax.tree.leaves(g1)) > 1e-3
+
+
+def test_micro_batches_hold_every_text_once_and_no_more_than_needed():
+    encs = texts(LENGTHS + [11, 4, 25, 8])
+    shape = PackShape(length=32, rows=2, texts=8, eval_rows=1, eval_texts=1)
+    micro = micro_batches(encs, shape, pad_id=0)
+    assert sorted(i for _, held in micro for i in held) == list(range(len(encs)))
+    assert len(micro) == -(-len(first_fit([len(e.ids) for e in encs], 32)) // 2)
+    for batch, held in micro:
+        for j, i in enumerate(held):  # slot j holds text i
+            at = batch["starts"][j]
+            assert batch["input_ids"].reshape(-1)[at : at + len(encs[i].ids)].tolist() == encs[i].ids
+
+
+@pytest.mark.parametrize("rows", [1, 2, 6])
+def test_a_packed_step_makes_the_update_of_the_padded_step(rows):
+    """The update of a batch of mixed lengths (and two fillers), as micro-batches of `rows` rows (6: all in one),
+    equals the padded step's: same loss, gradient norm and parameters after AdamW with clipping."""
+    cfg = family_config("bert", "cls")
+    graphdef, params, rest = nnx.split(build(cfg, "sequence", num_labels=3, seed=0), nnx.Param, ...)
+    # AdamW's first update is about lr * sign(gradient): lr 1e-3 keeps a gradient's last-digit difference (from
+    # summing in another order) within the tolerance, while any wrong gradient sign moves a parameter by 2e-3.
+    tx = make_optimizer(OptimConfig(lr=1e-3, clip_norm=0.5), params, cfg.num_layers)
+    mesh = make_mesh(devices=jax.devices()[:1])
+    targets = np.random.default_rng(4).integers(0, 3, 12).astype(np.int32)
+    padded, _ = padded_and_packed(cfg, targets)
+    shape = PackShape(length=32, rows=rows, texts=12, eval_rows=1, eval_texts=1)
+    encs = texts(LENGTHS)
+    put = functools.partial(global_array, mesh=mesh)
+    packed = step_batch(encs, targets[: len(encs)], np.ones(len(encs), np.float32), shape, cfg.pad_token_id, put)
+    assert len(packed.micro) == -(-len(first_fit(LENGTHS, 32)) // rows)
+    step_cfg = SequenceStepConfig("cross_entropy", dropout=False)
+    results = []
+    for compile_step, batch in ((compile_train_step, padded), (compile_packed_step, packed)):
+        state = new_train_state(jax.tree.map(jnp.copy, params), tx, mesh)  # the step donates it
+        step = compile_step(graphdef, rest, tx, step_cfg, jax.tree.map(lambda x: x.sharding, state))
+        batch = batch if compile_step is compile_packed_step else {k: put(v) for k, v in batch.items()}
+        state, found = step(state, batch, jnp.float32(1e-3), jax.random.key(0))
+        results.append((found, jax.tree.leaves(state.params)))
+    (m1, p1), (m2, p2) = results
+    assert float(m2["loss"]) == pytest.approx(float(m1["loss"]), abs=1e-5)
+    assert float(m2["grad_norm"]) == pytest.approx(float(m1["grad_norm"]), abs=1e-5)
+    for a, b in zip(p1, p2, strict=True):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5, rtol=0)
+
+
+def test_auto_packs_where_packed_steps_compute_less_than_the_ladder():
+    model = preset("test", pooling="cls")  # 2 layers, the last of which padded batches compute for [CLS] only
+    settings = dict(batch_size=16, grad_accum=1, epochs=1, seed=0, eval_batch_size=16, bucket=8)
+    short = np.random.default_rng(5).integers(2, 17, 64)
+    # A ladder of one rung pads every text to 64 tokens; packed rows of 16 hold several texts each. Texts of 36
+    # tokens and one of 64: rows of 64 hold one text each, where the ladder pads all but one batch to 40.
+    for lengths, rungs, packs in ((short, (64,), True), (np.r_[np.full(63, 36), 64], (40, 64), False)):
+        shape = packed_batches.plan(lengths, lengths[:0], [np.arange(64)], 64, settings, shards=1)
+        packed = packed_batches.packed_work(shape, 64, 16, model)
+        padded = packed_batches.ladder_work(lengths, 16, 64, 8, rungs, 0, model)
+        assert (packed <= packed_batches.MARGIN * padded) == packs, (packed, padded, shape)
+
+
+def test_packing_is_offered_only_where_it_is_exact():
+    assert packed_batches.why_not("sequence", "bert", "cls") == ""
+    assert "deberta-v2" not in SEGMENT_FAMILIES
+    assert "no attention within packed texts" in packed_batches.why_not("sequence", "deberta-v2", "cls")
+    assert "no packed form" in packed_batches.why_not("sequence", "bert", "attention")
+    assert "reads tokens" in packed_batches.why_not("token", "bert", "cls")
+
+
+# ------------------------------------------------------------------------------------------------ one program
+def _compiles(tmp_path, name: str, model_dir, data, *extra: str) -> tuple[dict, str]:
+    script = tmp_path / "counting.py"
+    script.write_text(COUNTING)
+    out = tmp_path / f"{name}.json"
+    argv = ["finetune", "--model", model_dir, "--data", data, "--out", tmp_path / name, "--folds", "2",
+            "--train.epochs=2", "--train.batch_size=8", "--mesh.num_devices=1", "--data.max_length=64",
+            "--log.progress=false", "--train.evals_per_epoch=2", *extra]  # fmt: skip
+    env = _env(BERTFORGE_COMPILE_CACHE=str(tmp_path / f"cache-{name}"))
+    proc = subprocess.run([sys.executable, str(script), str(out), *map(str, argv)], env=env, capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(out.read_text())["counts"], proc.stderr
+
+
+def test_a_packed_k_fold_run_compiles_one_training_and_one_evaluation_program(model_dir, tmp_path):
+    data = write_table(tmp_path / "train.csv", river_rows(64, seed=7))
+    counts, log = _compiles(tmp_path, "packed", model_dir, data, "--data.pack=true")
+    assert "texts packed" in log, log
+    # Two folds, two epochs, four evaluations each: one program for every micro-batch of every step, one for
+    # every evaluation.
+    assert _total(counts, "compile_requests_use_cache", "jit(add_gradients)") == 1, counts
+    assert _total(counts, "compile_requests_use_cache", "jit(gradients)") == 0, counts
+    assert _total(counts, "compile_requests_use_cache", "jit(predict_step)") == 1, counts
+    result = json.loads((tmp_path / "packed" / "summary.json").read_text())
+    assert len(result["folds"]) == 2
+    # The same run padded to the length ladder compiles one program per padded length.
+    counts, log = _compiles(tmp_path, "padded", model_dir, data, "--data.pack=false")
+    assert "texts padded to" in log, log
+    assert _total(counts, "compile_requests_use_cache", "jit(gradients)") > 1, counts
+
+
+def test_packing_asked_where_it_is_not_exact_is_one_line(wordpiece_dir, tmp_path, capsys):
+    deberta = init_model("deberta-v2", wordpiece_dir, tmp_path / "deberta")
+    data = write_table(tmp_path / "train.csv", river_rows(32, seed=8))
+    line = _refused(deberta, data, tmp_path / "run", capsys, "--data.pack=true")
+    assert line == (
+        "error: data.pack=true: deberta-v2 has no attention within packed texts; leave data.pack unset (packed "
+        "where it is exact) or false"
+    )
