@@ -232,6 +232,22 @@ def killed_like(reference: dict, run: Path, fraction: float) -> dict:
 
 
 @pytest.fixture(scope="module")
+def packed_reference(model_dir, tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("packed")
+    data = write_table(root / "train.csv", river_rows(64, seed=5))
+    return task_reference(model_dir, root, data, "--data.pack=true")
+
+
+@pytest.mark.parametrize("seed", seeds(fast=0))
+def test_packed_finetune_killed_at_a_random_moment(model_dir, packed_reference, tmp_path, tally, seed):
+    # Packed rows: micro-batches whose gradients add up within a step, which a kill must not leave half-added.
+    tally("kill")
+    fraction = rng("packed", seed).uniform(0.35, 0.9)
+    got = killed_like(packed_reference, tmp_path / "run", fraction)
+    assert got == {k: packed_reference[k] for k in got}
+
+
+@pytest.fixture(scope="module")
 def token_reference(model_dir, tmp_path_factory) -> dict:
     from test_token_classification import tagged_sentences, write_jsonl
 
