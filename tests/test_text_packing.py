@@ -217,8 +217,7 @@ def test_a_packed_k_fold_run_compiles_one_training_and_one_evaluation_program(mo
     assert "texts packed" in log, log
     # Two folds, two epochs, four evaluations each: one program for every micro-batch of every step, one for
     # every evaluation.
-    assert _total(counts, "compile_requests_use_cache", "jit(micro_gradients)") == 1, counts
-    assert _total(counts, "compile_requests_use_cache", "jit(add_gradients)") <= 1, counts  # steps of 2 micro-batches
+    assert _total(counts, "compile_requests_use_cache", "jit(add_gradients)") == 1, counts
     assert _total(counts, "compile_requests_use_cache", "jit(gradients)") == 0, counts
     assert _total(counts, "compile_requests_use_cache", "jit(predict_step)") == 1, counts
     result = json.loads((tmp_path / "packed" / "summary.json").read_text())

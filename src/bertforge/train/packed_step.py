@@ -67,31 +67,38 @@ def micro_keys(rest: Any, step: jax.Array, key: jax.Array, k: jax.Array) -> tupl
 
 
 class PackedTrainStep:
-    """A packed step as four programs: the dropout keys, the first micro-batch's gradients, a further one's added
-    into them (their sum donated), and the update; call it as sequence_step.TrainStep. Most steps need one
-    micro-batch, and pay for no addition."""
+    """A packed step as three programs: the dropout keys, a micro-batch's gradients added into a sum, and the
+    update; call it as sequence_step.TrainStep. Every step's sum starts from the same zeros, made once, so that one
+    gradient program serves the first micro-batch and the others: a first run compiles it once (a second program
+    for the first micro-batch would save each step the addition, and cost a first run more than that)."""
 
-    def __init__(self, keys_jit: Any, first: Ahead, add: Ahead, update: Ahead, cfg: SequenceStepConfig):
-        self.keys_jit, self.first, self.add, self.update, self.cfg = keys_jit, first, add, update, cfg
+    def __init__(self, keys_jit: Any, zeros_jit: Any, add: Ahead, update: Ahead, cfg: SequenceStepConfig):
+        self.keys_jit, self.zeros_jit, self.add, self.update, self.cfg = keys_jit, zeros_jit, add, update, cfg
+        self.zeros: tuple[Any, jax.Array] | None = None
 
     def _keys(self, state: TrainState, key: jax.Array, k: int) -> tuple[jax.Array, ...] | None:
         return self.keys_jit(state.step, key, np.int32(k)) if self.cfg.dropout else None
 
     def __call__(self, state: TrainState, batch: PackedBatch, lr: jax.Array, key: jax.Array) -> tuple[TrainState, dict]:
         scale, count = scale_of(state.opt_state), np.float32(max(batch.count, 1))
-        total = self.first(state.params, self._keys(state, key, 0), batch.micro[0], count, scale=scale)
-        for k, micro in enumerate(batch.micro[1:], start=1):
+        if self.zeros is None:
+            self.zeros = self.zeros_jit(state.params)
+        total = self.zeros
+        for k, micro in enumerate(batch.micro):
             total = self.add(state.params, self._keys(state, key, k), micro, count, total, scale=scale)
         grads, loss = total
         return self.update(state, grads, None, loss, lr)
 
     def ahead(self, state: TrainState, batch: PackedBatch, key: jax.Array) -> None:
-        """Start compiling the micro-batches' programs (Ahead.ahead); the update's follows at the first step."""
-        keys, scale = self._keys(state, key, 0), scale_of(state.opt_state)
-        self.first.ahead(state.params, keys, batch.micro[0], np.float32(1), scale=scale)
+        """Start compiling the micro-batches' program (Ahead.ahead); the update's follows at the first step."""
         like = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
         total = (jax.tree.map(like, state.params), jax.ShapeDtypeStruct((), jnp.float32, sharding=state.step.sharding))
-        self.add.ahead(state.params, keys, batch.micro[0], np.float32(1), total, scale=scale)
+        self.add.ahead(state.params, self._keys(state, key, 0), batch.micro[0], np.float32(1), total,
+                       scale=scale_of(state.opt_state))  # fmt: skip
+
+
+def zeros_like(params: Any) -> tuple[Any, jax.Array]:
+    return jax.tree.map(jnp.zeros_like, params), jnp.float32(0.0)
 
 
 def compile_packed_step(
@@ -101,7 +108,7 @@ def compile_packed_step(
     cfg = dataclasses.replace(cfg, grad_accum=1)
     totals = (state_shardings.params, state_shardings.step)  # the loss replicated, as the step count
     keys_jit = jax.jit(functools.partial(micro_keys, rest), out_shardings=state_shardings.step)
-    first = jax.jit(functools.partial(micro_gradients, graphdef, rest, cfg=cfg), out_shardings=totals)
-    add = jax.jit(functools.partial(add_gradients, graphdef, rest, cfg=cfg), donate_argnums=4, out_shardings=totals)
+    zeros_jit = jax.jit(zeros_like, out_shardings=totals)
+    add = jax.jit(functools.partial(add_gradients, graphdef, rest, cfg=cfg), out_shardings=totals)
     update_jit = jax.jit(functools.partial(update, tx=tx), donate_argnums=0, out_shardings=(state_shardings, None))
-    return PackedTrainStep(keys_jit, Ahead(first), Ahead(add), Ahead(update_jit), cfg)
+    return PackedTrainStep(keys_jit, zeros_jit, Ahead(add), Ahead(update_jit), cfg)
