@@ -143,5 +143,6 @@ def packed_ahead(job: Any, state: Any, key: Any) -> None:
 def shapes_line(shape: PackShape | None, rungs: tuple[int, ...], bucket: int) -> str:
     """How a fold's log describes its batches' shapes."""
     if shape is not None:
-        return f"texts packed into {shape.rows} rows of {shape.length} tokens a step"
+        steps = f"{shape.mean_rows / shape.rows:.2f}"
+        return f"texts packed into micro-batches of {shape.rows} rows of {shape.length} tokens ({steps} a step)"
     return "texts padded to " + (", ".join(map(str, rungs)) if rungs else f"multiples of {bucket}") + " tokens"
