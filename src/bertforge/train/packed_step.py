@@ -30,21 +30,6 @@ class PackedBatch(NamedTuple):
     count: float
 
 
-def micro_gradients(
-    graphdef: Any,
-    rest: Any,
-    params: Any,
-    keys: tuple[jax.Array, ...] | None,
-    batch: dict[str, jax.Array],
-    count: jax.Array,
-    cfg: SequenceStepConfig,
-    scale: jax.Array | None = None,
-) -> tuple[Any, jax.Array]:
-    """(gradients, loss) of a micro-batch's share of the step's loss: its texts' loss over `count`, the step's
-    real texts (float16's loss scale divided out)."""
-    return _summed_gradients(graphdef, rest, params, keys, batch, cfg, scale, count=count)
-
-
 def add_gradients(
     graphdef: Any,
     rest: Any,
@@ -56,8 +41,9 @@ def add_gradients(
     cfg: SequenceStepConfig,
     scale: jax.Array | None = None,
 ) -> tuple[Any, jax.Array]:
-    """total (gradients, loss) plus micro_gradients' of a further micro-batch."""
-    grads, loss = micro_gradients(graphdef, rest, params, keys, batch, count, cfg, scale)
+    """total (gradients, loss) plus a micro-batch's: its texts' loss over `count`, the step's real texts (float16's
+    loss scale divided out)."""
+    grads, loss = _summed_gradients(graphdef, rest, params, keys, batch, cfg, scale, count=count)
     return jax.tree.map(jnp.add, total[0], grads), total[1] + loss
 
 
