@@ -40,6 +40,12 @@ class PackShape:
     mean_rows: float = 0.0
 
 
+def first_room(free: list[int], n: int) -> int:
+    """The first of the rows with `free` tokens left that holds n more, or len(free) for a new row: where first fit
+    puts a text, for first_fit and eval_batches alike (an evaluation batch must pack as it was counted)."""
+    return next((r for r, room in enumerate(free) if room >= n), len(free))
+
+
 def first_fit(lengths: Sequence[int], length: int) -> list[list[int]]:
     """Texts of `lengths` tokens (each at most `length`) placed in rows of `length` tokens, longest first, each
     in the first row with room for it (first-fit decreasing); each row's texts as indices into `lengths`."""
@@ -49,7 +55,7 @@ def first_fit(lengths: Sequence[int], length: int) -> list[list[int]]:
         n = lengths[i]
         if n > length:
             raise ValueError(f"a text of {n} tokens does not fit a row of {length}")
-        row = next((r for r, room in enumerate(free) if room >= n), len(rows))
+        row = first_room(free, n)
         if row == len(rows):
             rows.append([])
             free.append(length)
@@ -62,8 +68,10 @@ def fill(encs: Sequence[Encoded], placed: list[list[int]], length: int, rows: in
          pad_id: int) -> dict[str, np.ndarray]:  # fmt: skip
     """The packed batch of `encs` placed in rows as `placed` says (each row's texts, indices into encs), with
     `rows` rows and room for `texts` texts (the ones past len(encs) are fillers: no token, start 0)."""
-    if len(encs) > texts or len(placed) > rows:
-        raise ValueError(f"{len(encs)} texts in {len(placed)} rows: the batch holds {texts} texts in {rows} rows")
+    if len(encs) > texts:
+        raise ValueError(f"{len(encs)} texts for a batch of {texts}")
+    if len(placed) > rows:
+        raise ValueError(f"{len(encs)} texts need {len(placed)} rows of {length} tokens, the batch has {rows}")
     ids = np.full((rows, length), pad_id, np.int32)
     types = np.zeros((rows, length), np.int32)
     segments = np.zeros((rows, length), np.int32)
@@ -82,10 +90,7 @@ def fill(encs: Sequence[Encoded], placed: list[list[int]], length: int, rows: in
 
 def pack(encs: Sequence[Encoded], length: int, rows: int, texts: int, pad_id: int) -> dict[str, np.ndarray]:
     """`encs` packed by first_fit into `rows` rows of `length` tokens, with room for `texts` texts."""
-    placed = first_fit([len(e.ids) for e in encs], length)
-    if len(placed) > rows:
-        raise ValueError(f"{len(encs)} texts need {len(placed)} rows of {length} tokens, the batch has {rows}")
-    return fill(encs, placed, length, rows, texts, pad_id)
+    return fill(encs, first_fit([len(e.ids) for e in encs], length), length, rows, texts, pad_id)
 
 
 Micro = tuple[dict[str, np.ndarray], list[int]]  # a packed micro-batch, and which texts it holds
@@ -116,7 +121,7 @@ def eval_batches(lengths: np.ndarray, length: int, rows: int, texts: int) -> lis
         j = i
         while j < len(order) and j - i < texts:
             n = int(lengths[order[j]])
-            row = next((r for r, room in enumerate(free) if room >= n), len(free))
+            row = first_room(free, n)
             if row == len(free):
                 if len(free) == rows:
                     break

@@ -74,19 +74,18 @@ def pool_tokens(hidden: jax.Array, attention_mask: jax.Array, how: str, score: j
 def pool_packed(hidden: jax.Array, texts: jax.Array, starts: jax.Array, how: str) -> jax.Array:
     """hidden (R, T, D) of rows that pack several texts, texts (R, T) each token's text (N on padding), starts (N,)
     each text's first token in the R * T -> float32 (N, D): each text pooled as pool_tokens pools it alone
-    ('cls', 'mean' or 'max'); a text without tokens (a filler) pools to zeros, or for 'cls' to the first row's."""
+    ('mean' or 'max'; a 'cls' head has the encoder compute each text's first token only); a text without tokens
+    (a filler) pools to zeros."""
     r, t, d = hidden.shape
     n = starts.shape[0]
     x = hidden.reshape(r * t, d).astype(jnp.float32)  # (R*T, D)
-    if how == "cls":
-        return x[starts]
     owner = texts.reshape(r * t)
     counts = jax.ops.segment_sum(jnp.ones(r * t, jnp.float32), owner, num_segments=n + 1)[:n, None]  # (N, 1)
     if how == "mean":
         return jax.ops.segment_sum(x, owner, num_segments=n + 1)[:n] / jnp.maximum(counts, 1.0)
     if how == "max":
         return jnp.where(counts > 0, jax.ops.segment_max(x, owner, num_segments=n + 1)[:n], 0.0)
-    raise ValueError(f"pooling {how!r} has no packed form: cls, mean or max")
+    raise ValueError(f"pooling {how!r} has no packed form: mean or max (cls: the encoder's first tokens)")
 
 
 def unit_length(x: jax.Array, eps: float = 1e-12) -> jax.Array:

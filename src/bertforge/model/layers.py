@@ -179,16 +179,16 @@ def first_token_mask(segments: jax.Array, starts: jax.Array) -> jax.Array:
 
 def own_rows(
     q: jax.Array, k: jax.Array, v: jax.Array, queries: jax.Array, mask: jax.Array, window: int | None
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, None]:
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """q, k, v (B, T, N, H) -> the queries at the flat indices `queries` (Nq, 1, N, H), the keys and values of each
     one's own row (Nq, T, N, H), and mask (Nq, 1, 1, T) narrowed to the local `window` about each query's column
-    (the window then is in the mask: None)."""
+    (so attend must not apply it again: its band is about columns 0..Q-1)."""
     b, t = k.shape[:2]
     q = q.reshape(b * t, *q.shape[2:])[queries][:, None]
     if window is not None:
         near = jnp.abs(jnp.arange(t)[None, :] - (queries % t)[:, None]) <= window  # (Nq, T)
         mask = mask & near[:, None, None, :]
-    return q, k[queries // t], v[queries // t], mask, None
+    return q, k[queries // t], v[queries // t], mask
 
 
 def input_mask(

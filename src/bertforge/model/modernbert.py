@@ -113,7 +113,7 @@ class Layer(KeyedLayer):
         q, qpos, window = (q[:, :1] if first_only else q), positions, self.window
         if queries is not None:
             qpos = (queries % t if positions is None else positions.reshape(-1)[queries])[:, None]  # (Nq, 1)
-            q, k, v, mask, window = layers.own_rows(q, k, v, queries, mask, window)
+            (q, k, v, mask), window = layers.own_rows(q, k, v, queries, mask, window), None
         elif positions is not None:
             qpos = positions[:, : q.shape[1]]
         bq, tq = q.shape[:2]

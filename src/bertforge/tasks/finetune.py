@@ -124,9 +124,9 @@ def _setup(cfg: FinetuneConfig) -> Setup:
     if any(d > pre.model.config.hidden_size for d in h.matryoshka):
         raise UserError(f"head.matryoshka: {max(h.matryoshka)} is more than the model's {pre.model.config.hidden_size} "
                         "values per vector")  # fmt: skip
-    if cfg.data.pack and _not_packed(cfg, pre):
-        raise UserError(f"data.pack=true: {_not_packed(cfg, pre)}; leave data.pack unset (packed where it is exact) "
-                        "or false")  # fmt: skip
+    why = _not_packed(cfg, pre)
+    if cfg.data.pack and why:
+        raise UserError(f"data.pack=true: {why}; leave data.pack unset (packed where it is exact) or false")
     if outputs == len(names):
         pre.id2label = dict(enumerate(names))
     limit = min(cfg.data.max_length, pre.model.config.max_seq_len)

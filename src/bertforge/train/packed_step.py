@@ -18,7 +18,7 @@ import numpy as np
 
 from bertforge.train.ahead import Ahead
 from bertforge.train.loss_scale import scale_of
-from bertforge.train.sequence_step import SequenceStepConfig, _summed_gradients, dropout_keys, update
+from bertforge.train.sequence_step import SequenceStepConfig, dropout_keys, summed_gradients, update
 from bertforge.train.step import TrainState
 
 
@@ -43,7 +43,7 @@ def add_gradients(
 ) -> tuple[Any, jax.Array]:
     """total (gradients, loss) plus a micro-batch's: its texts' loss over `count`, the step's real texts (float16's
     loss scale divided out)."""
-    grads, loss = _summed_gradients(graphdef, rest, params, keys, batch, cfg, scale, count=count)
+    grads, loss = summed_gradients(graphdef, rest, params, keys, batch, cfg, scale, count=count)
     return jax.tree.map(jnp.add, total[0], grads), total[1] + loss
 
 

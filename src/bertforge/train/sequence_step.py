@@ -182,7 +182,7 @@ def gradients(
     if cfg.contrastive is not None:
         grads, loss = contrastive_gradients(graphdef, rest, params, keys, batch, cfg.contrastive, cfg.grad_accum, scale)
     else:
-        grads, loss = _summed_gradients(graphdef, rest, params, keys, batch, cfg, scale)
+        grads, loss = summed_gradients(graphdef, rest, params, keys, batch, cfg, scale)
     if not cfg.sparse_embeddings:
         return grads, loss, None
     ids = batch["input_ids"]
@@ -190,7 +190,7 @@ def gradients(
     return take_rows(grads, rows), loss, rows
 
 
-def _summed_gradients(
+def summed_gradients(
     graphdef: Any,
     rest: Any,
     params: Any,
