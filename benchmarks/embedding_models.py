@@ -117,6 +117,7 @@ def _bertforge(args: argparse.Namespace, work: Path, out: Path) -> tuple[dict, s
            f"--optim.warmup_fraction={WARMUP}", f"--optim.weight_decay={WEIGHT_DECAY}", f"--head.scale={SCALE}",
            f"--train.seed={args.seed}", "--log.progress=false", f"--train.grad_accum={args.cached or 1}"]  # fmt: skip
     cmd += ["--train.dtype=bfloat16"] if args.bf16 else []
+    cmd += [] if args.pack == "auto" else [f"--data.pack={args.pack}"]
     print(" ".join(cmd), flush=True)
     start = time.perf_counter()
     subprocess.run(cmd, check=True)
@@ -193,6 +194,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
     p.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
     p.add_argument("--bf16", action="store_true")
+    p.add_argument("--pack", choices=["auto", "true", "false"], default="auto", help="bertforge's data.pack")
     p.add_argument("--work", default=str(ROOT / "runs/bench-embedding"))
     p.add_argument("--render", action="store_true", help="only redraw the table and plot from the saved results")
     p.add_argument("--worker", choices=["st"], help=argparse.SUPPRESS)
@@ -207,6 +209,7 @@ def _name(args: argparse.Namespace, default_model: bool) -> str:
         value = getattr(args, key)
         name += "" if value == default else f"_{short}{value:g}"
     name += "" if args.train_fraction == 1.0 else f"_frac{args.train_fraction:g}"
+    name += "" if args.pack == "auto" else f"_pack{args.pack}"
     return name + ("_bf16" if args.bf16 else "") + ("_gpu" if args.device == "gpu" else "")
 
 

@@ -16,16 +16,20 @@ import pytest
 from flax import nnx
 from test_architectures import init_model
 from test_compile_cache import COUNTING, _env, _total
+from test_embedding import pair_rows, write_rows
 from test_finetune import _refused, river_rows, write_table
 
-from bertforge.data.batching import pad_batch
+from bertforge.data.batching import EncodedChoices, epoch_batches, pad_batch
 from bertforge.data.text_packing import PACKED_INPUTS, PackShape, eval_batches, first_fit, micro_batches, pack
+from bertforge.finetuning.pairs import distinct_texts
 from bertforge.model.architectures import FAMILIES, SEGMENT_FAMILIES, build
 from bertforge.model.config import ModelConfig, preset
 from bertforge.runtime.devices import global_array, make_mesh
 from bertforge.tasks import packed_batches
+from bertforge.tasks.model_outputs import INPUTS
 from bertforge.tasks.packed_batches import step_batch
 from bertforge.tokenizer.load import Encoded
+from bertforge.train.contrastive import ContrastiveConfig
 from bertforge.train.optim import OptimConfig, make_optimizer
 from bertforge.train.packed_step import compile_packed_step
 from bertforge.train.sequence_step import SequenceStepConfig, compile_train_step, gradients, predict_step
@@ -131,6 +135,61 @@ def test_packed_losses_and_gradients_equal_the_padded_ones(family, loss):
     assert max(float(jnp.abs(g).max()) for g in jax.tree.leaves(g1)) > 1e-3
 
 
+# ------------------------------------------------------------------------------------------------ embedding models
+def pair_batch(cfg: ModelConfig, rows: int = 6, real: int = 5) -> tuple[dict, dict]:
+    """`real` rows of (anchor, positive, negative) texts of mixed lengths, and fillers up to `rows`: padded to 32
+    as (B, 3, T), and packed whole (whole_batch) into 12 rows of 32."""
+    lengths = np.random.default_rng(6).integers(2, 31, (real, 3))
+    lengths[0, 1] = 32  # one text fills its row
+    encs = texts(lengths.ravel().tolist(), seed=7)
+    if not cfg.type_vocab_size:
+        encs = [Encoded(e.ids, [0] * len(e.ids)) for e in encs]
+    pairs = [EncodedChoices(tuple(encs[3 * r : 3 * r + 3])) for r in range(real)]
+    targets = np.stack([np.ones(real), np.ones(real), np.arange(real), np.arange(real)], 1).astype(np.float32)
+    targets[3, 3] = 0  # row 3's positive is row 0's passage: not its negative
+    weight = np.ones(real, np.float32)
+    shape = PackShape(length=32, rows=12, texts=3 * rows, eval_rows=1, eval_texts=1)
+    packed = packed_batches.whole_batch(pairs, targets, weight, shape, cfg.pad_token_id, rows)
+    padded = pad_batch(pairs, cfg.pad_token_id, 32, rows)
+    return {**padded, "targets": packed["targets"], "weight": packed["weight"]}, packed
+
+
+@pytest.mark.parametrize("family", SEGMENT_FAMILIES)
+@pytest.mark.parametrize("pooling", ["cls", "mean"])
+def test_packed_embedding_losses_and_gradients_equal_the_padded_ones(family, pooling):
+    """Multiple-negatives ranking over a batch packed whole: the same embeddings, loss and gradients as the
+    padded (B, N, T) batch, filler rows and a shared passage included."""
+    cfg = dataclasses.replace(family_config(family, pooling), normalize=True)
+    graphdef, params, rest = nnx.split(build(cfg, "embedding", seed=0), nnx.Param, ...)
+    padded, packed = pair_batch(cfg)
+    alone = predict_step(graphdef, rest, params, {k: jnp.asarray(padded[k]) for k in INPUTS})  # (B, 3, D)
+    together = predict_step(graphdef, rest, params, {k: jnp.asarray(packed[k]) for k in PACKED_INPUTS})
+    np.testing.assert_allclose(np.asarray(together).reshape(alone.shape)[:5], np.asarray(alone)[:5], atol=1e-5)
+    step = SequenceStepConfig("mnrl", dropout=False, contrastive=ContrastiveConfig())
+    g1, l1, _ = gradients(graphdef, rest, params, None, {k: jnp.asarray(v) for k, v in padded.items()}, step)
+    g2, l2, _ = gradients(graphdef, rest, params, None, {k: jnp.asarray(v) for k, v in packed.items()}, step)
+    assert float(l2) == pytest.approx(float(l1), abs=1e-5) and float(l1) > 0.1
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2), strict=True):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5, rtol=0)
+    assert max(float(jnp.abs(g).max()) for g in jax.tree.leaves(g1)) > 1e-3
+
+
+def test_a_whole_plan_holds_the_fullest_step_and_evaluation_dedups_texts():
+    lengths = np.random.default_rng(8).integers(3, 60, (50, 2))
+    settings = dict(batch_size=8, grad_accum=1, epochs=2, seed=0, eval_batch_size=16, bucket=8)
+    folds = [np.arange(50), np.arange(0, 50, 2)]
+    shape = packed_batches.whole_plan(lengths, lengths[:0], folds, 64, settings, shards=2)
+    assert shape.length == 64 and shape.texts == 16 and shape.rows % 2 == 0
+    needs = [len(first_fit(lengths[fold][b].ravel().tolist(), 64)) for fold in folds
+             for epoch in range(2) for b in epoch_batches(lengths[fold], 8, 0, 0, epoch)]  # fmt: skip
+    assert max(needs) <= shape.rows < max(needs) + 2
+    a, b = texts([4, 6, 5]), texts([7], seed=1)
+    rows = [EncodedChoices((a[0], a[1])), EncodedChoices((a[2], a[1])), EncodedChoices((b[0], a[0]))]
+    distinct, index = distinct_texts(rows)
+    assert [e.ids for e in distinct] == [a[0].ids, a[1].ids, a[2].ids, b[0].ids]
+    assert index.tolist() == [[0, 1], [2, 1], [3, 0]]
+
+
 def test_micro_batches_hold_every_text_once_and_no_more_than_needed():
     encs = texts(LENGTHS + [11, 4, 25, 8])
     shape = PackShape(length=32, rows=2, texts=8, eval_rows=1, eval_texts=1)
@@ -188,12 +247,28 @@ def test_auto_packs_where_packed_steps_compute_less_than_the_ladder():
         assert (packed <= packed_batches.MARGIN * padded) == packs, (packed, padded, shape)
 
 
+def test_auto_packs_pairs_of_a_short_query_and_a_long_passage():
+    model = preset("test", pooling="mean")
+    settings = dict(batch_size=8, grad_accum=1, epochs=1, seed=0, eval_batch_size=8, bucket=8)
+    queries = np.random.default_rng(9).integers(4, 13, 64)
+    # Queries of 4-12 tokens fill the room that passages of 56 leave in rows of 64, where padding gives each query
+    # the passage's length. Texts of 36 tokens and one of 64: rows of 64 hold one text each, where the ladder pads
+    # all but one batch to 40.
+    long = np.c_[np.full(64, 36), np.r_[np.full(63, 36), 64]]
+    for lengths, packs in ((np.c_[queries, np.full(64, 56)], True), (long, False)):
+        shape = packed_batches.whole_plan(lengths, lengths[:0, 0], [np.arange(64)], 64, settings, shards=1)
+        packed = packed_batches.packed_work(shape, 64, 8, model, per_row=2)
+        padded = packed_batches.ladder_work(lengths.max(1), 8, 64, 8, (40, 64), 0, model, per_row=2)
+        assert (packed <= packed_batches.MARGIN * padded) == packs, (packed, padded, shape)
+
+
 def test_packing_is_offered_only_where_it_is_exact():
     assert packed_batches.why_not("sequence", "bert", "cls") == ""
     assert "deberta-v2" not in SEGMENT_FAMILIES
     assert "no attention within packed texts" in packed_batches.why_not("sequence", "deberta-v2", "cls")
     assert "no packed form" in packed_batches.why_not("sequence", "bert", "attention")
     assert "reads tokens" in packed_batches.why_not("token", "bert", "cls")
+    assert packed_batches.why_not("embedding", "modernbert", "mean") == ""
 
 
 # ------------------------------------------------------------------------------------------------ one program
@@ -226,6 +301,18 @@ def test_a_packed_k_fold_run_compiles_one_training_and_one_evaluation_program(mo
     counts, log = _compiles(tmp_path, "padded", model_dir, data, "--data.pack=false")
     assert "texts padded to" in log, log
     assert _total(counts, "compile_requests_use_cache", "jit(gradients)") > 1, counts
+
+
+def test_a_packed_embedding_run_compiles_one_training_and_one_evaluation_program(model_dir, tmp_path):
+    data = write_rows(tmp_path / "pairs.csv", pair_rows(48, seed=3))
+    pairs = ["--task", "embedding", "--text-column", "query", "--text-pair-column", "passage", "--negative-column",
+             "negative"]  # fmt: skip
+    counts, log = _compiles(tmp_path, "packed-pairs", model_dir, data, *pairs, "--data.pack=true")
+    assert "each step's texts packed into one batch of" in log, log
+    assert _total(counts, "compile_requests_use_cache", "jit(gradients)") == 1, counts
+    assert _total(counts, "compile_requests_use_cache", "jit(predict_step)") == 1, counts
+    summary = json.loads((tmp_path / "packed-pairs" / "summary.json").read_text())
+    assert len(summary["folds"]) == 2 and all(0 < f["score"] <= 1 for f in summary["folds"]), summary
 
 
 def test_packing_asked_where_it_is_not_exact_is_one_line(wordpiece_dir, tmp_path, capsys):

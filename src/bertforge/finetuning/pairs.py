@@ -16,7 +16,7 @@ from bertforge.data.labelled import Table, TableConfig
 from bertforge.errors import UserError
 from bertforge.finetuning import tables
 from bertforge.finetuning.columns import numbers
-from bertforge.tokenizer.load import Tokenizer
+from bertforge.tokenizer.load import Encoded, Tokenizer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,3 +105,19 @@ def out_of_fold(table: Table, cfg: TableConfig, names: Sequence[str], rows: np.n
     """oof.csv: the keys, the score (1 for pairs without one) and the cosine of each row's first two texts."""
     truth = (["score"], numbers(table.targets[rows, :1]))
     return tables.prediction_table(prediction_columns, names, outputs, keys, truth)
+
+
+def distinct_texts(rows: Sequence[EncodedChoices]) -> tuple[list[Encoded], np.ndarray]:
+    """The distinct texts of rows of N encoded texts, each once (a passage that several anchors share is embedded
+    once), and (R, N) the place of each row's texts among them."""
+    place: dict[tuple[tuple[int, ...], tuple[int, ...]], int] = {}
+    texts: list[Encoded] = []
+    index = np.zeros((len(rows), len(rows[0].options) if rows else 0), np.int64)
+    for r, row in enumerate(rows):
+        for n, e in enumerate(row.options):
+            key = (tuple(e.ids), tuple(e.type_ids))
+            if key not in place:
+                place[key] = len(texts)
+                texts.append(e)
+            index[r, n] = place[key]
+    return texts, index

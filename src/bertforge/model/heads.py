@@ -8,6 +8,8 @@ Shapes: B batch, T tokens, D hidden, E embedding width, V vocabulary, L labels.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -227,12 +229,22 @@ class SequenceClassifier(Labelled):
     ) -> jax.Array:  # fmt: skip
         """Rows that pack several texts (data/text_packing.py): (R, T) ids, types, segment ids and texts, (N,)
         starts -> (N, L) float32, each text's outputs as __call__ gives them for the text alone."""
-        if self.config.pooling == "cls":  # the last layer computes each text's first token only, as __call__ does
-            hidden = self.encoder(input_ids, None, token_type_ids, True, segment_ids, starts)  # (N, 1, D)
-            return self.head.classify(hidden[:, 0])
-        hidden = self.encoder(input_ids, None, token_type_ids, False, segment_ids)  # (R, T, D)
-        pooled = pool_packed(hidden, texts, starts, self.config.pooling)  # (N, D)
-        return self.head.classify(pooled.astype(hidden.dtype))
+        pooled, dtype = packed_pooled(self.encoder, self.config.pooling, input_ids, token_type_ids, segment_ids,
+                                      texts, starts)  # fmt: skip
+        return self.head.classify(pooled.astype(dtype))
+
+
+def packed_pooled(
+    encoder: nnx.Module, pooling: str, input_ids: jax.Array, token_type_ids: jax.Array, segment_ids: jax.Array,
+    texts: jax.Array, starts: jax.Array,
+) -> tuple[jax.Array, Any]:  # fmt: skip
+    """Packed rows (data/text_packing.py) -> (N, D) float32, each text pooled as pool_tokens pools it alone, and the
+    encoder's dtype. For cls the last layer computes each text's first token only, as the padded forward does."""
+    if pooling == "cls":
+        hidden = encoder(input_ids, None, token_type_ids, True, segment_ids, starts)  # (N, 1, D)
+        return hidden[:, 0].astype(jnp.float32), hidden.dtype
+    hidden = encoder(input_ids, None, token_type_ids, False, segment_ids)  # (R, T, D)
+    return pool_packed(hidden, texts, starts, pooling), hidden.dtype
 
 
 class TokenClassifier(Labelled):
@@ -296,6 +308,16 @@ class Embedder(nnx.Module):
         first_only = self.config.pooling == "cls"
         hidden = self.encoder(input_ids, attention_mask, token_type_ids, first_only)  # (B, T, D)
         pooled = pool_tokens(hidden, attention_mask, self.config.pooling)
+        return unit_length(pooled) if self.config.normalize else pooled
+
+    def packed(
+        self, input_ids: jax.Array, token_type_ids: jax.Array, segment_ids: jax.Array, texts: jax.Array,
+        starts: jax.Array,
+    ) -> jax.Array:  # fmt: skip
+        """Rows that pack several texts (data/text_packing.py) -> float32 (N, D), each text's embedding as
+        __call__ gives it for the text alone."""
+        pooled, _ = packed_pooled(self.encoder, self.config.pooling, input_ids, token_type_ids, segment_ids, texts,
+                                  starts)  # fmt: skip
         return unit_length(pooled) if self.config.normalize else pooled
 
 

@@ -31,7 +31,8 @@ from bertforge.model.hf import Pretrained
 from bertforge.model.load import load_model
 from bertforge.runtime.devices import MeshConfig, build_mesh, param_shardings
 from bertforge.tasks import packed_batches
-from bertforge.tasks.finetune_fold import FinetuneTrainConfig, Job, scores, train_fold
+from bertforge.tasks.finetune_fold import FinetuneTrainConfig, Job, train_fold
+from bertforge.tasks.fold_eval import scores
 from bertforge.train import metrics
 from bertforge.train.ahead import Ahead
 from bertforge.train.contrastive import ContrastiveConfig
@@ -204,7 +205,9 @@ def _job(cfg: FinetuneConfig, run_dir: Path, pre: Pretrained, names: list[str], 
         pristine=pristine,
         param_shardings=shardings,
         tx=tx,
-        step_jit=(compile_packed_step if pack else compile_train_step)(graphdef, rest, tx, step_cfg, state_shardings),
+        step_jit=(compile_packed_step if pack and not contrastive else compile_train_step)(
+            graphdef, rest, tx, step_cfg, state_shardings
+        ),
         forward_jit=Ahead(jax.jit(functools.partial(predict_step, graphdef, rest), out_shardings=replicated)),
         base_model=cfg.model,
         hub=cfg.hub,
@@ -290,10 +293,15 @@ def _fold_rows(table: Table, valid: Table | None, folds: np.ndarray | None, f: i
 
 
 def _not_packed(cfg: FinetuneConfig, pre: Pretrained) -> str:
-    """Why the run cannot pack its texts ('' when it can): packed_batches.why_not, or the lazy table update."""
-    model = pre.model.config
-    why = packed_batches.why_not(TASKS[cfg.head.task].HEAD, model.family, model.pooling)
-    return why or ("train.sparse_embeddings updates each batch's rows" if cfg.train.sparse_embeddings else "")
+    """Why the run cannot pack its texts ('' when it can): packed_batches.why_not, the lazy table update, or an
+    embedding model's cached loss."""
+    model, head = pre.model.config, TASKS[cfg.head.task].HEAD
+    why = packed_batches.why_not(head, model.family, model.pooling)
+    if not why and cfg.train.sparse_embeddings:
+        why = "train.sparse_embeddings updates each batch's rows"
+    if not why and head == "embedding" and cfg.train.grad_accum > 1:
+        why = "the cached loss (train.grad_accum > 1) embeds the batch in mini-batches of rows"
+    return why
 
 
 def _pack_shape(cfg: FinetuneConfig, pre: Pretrained, table: Table, valid: Table | None, fold_rows: list[np.ndarray],
@@ -302,17 +310,29 @@ def _pack_shape(cfg: FinetuneConfig, pre: Pretrained, table: Table, valid: Table
     model = pre.model.config
     if cfg.data.pack is False or _not_packed(cfg, pre):
         return None
-    lengths = np.array([tokens_of(e) for e in table.encs])  # type: ignore[union-attr]
-    valid_lengths = np.array([tokens_of(e) for e in (valid.encs if valid is not None else [])])  # type: ignore[union-attr]
     t = cfg.train
+    whole = TASKS[cfg.head.task].HEAD == "embedding"  # rows of N texts, packed a whole step at once
+    lengths, valid_lengths = (_text_lengths(x, whole) for x in (table, valid))
+    per_row = lengths.shape[1] if whole else 1
     settings = {"batch_size": t.batch_size, "grad_accum": t.grad_accum, "epochs": t.epochs, "seed": t.seed,
-                "eval_batch_size": t.eval_batch_size, "bucket": cfg.data.bucket}  # fmt: skip
-    shape = packed_batches.plan(lengths, valid_lengths, fold_rows, limit, settings, shards)
+                "eval_batch_size": t.eval_batch_size * per_row, "bucket": cfg.data.bucket}  # fmt: skip
+    shape = (packed_batches.whole_plan if whole else packed_batches.plan)(
+        lengths, valid_lengths, fold_rows, limit, settings, shards
+    )
     if cfg.data.pack:
         return shape
-    padded = packed_batches.ladder_work(lengths, t.batch_size, limit, cfg.data.bucket, rungs, t.seed, model)
-    packed = packed_batches.packed_work(shape, len(lengths), t.batch_size, model)
+    longest = lengths.max(axis=1) if whole else lengths
+    padded = packed_batches.ladder_work(longest, t.batch_size, limit, cfg.data.bucket, rungs, t.seed, model, per_row)
+    packed = packed_batches.packed_work(shape, len(lengths), t.batch_size, model, per_row)
     return shape if packed <= packed_batches.MARGIN * padded else None
+
+
+def _text_lengths(table: Table | None, whole: bool) -> np.ndarray:
+    """The tokens of each row of `table` (none without one): (R,), or (R, N) for each of a row's N texts."""
+    encs = [] if table is None else table.encs or []
+    if whole:
+        return np.array([[len(o.ids) for o in e.options] for e in encs] or np.zeros((0, 1)), np.int64)
+    return np.array([tokens_of(e) for e in encs], np.int64)
 
 
 def _summarise(cfg: FinetuneConfig, job: Job, results: list[dict[str, Any]]) -> dict[str, Any]:

@@ -21,20 +21,21 @@ from bertforge import hub, runs
 from bertforge.card import card_files
 from bertforge.data.batching import Row, by_length, epoch_batches, pad_batch, padded_length, tokens_of
 from bertforge.data.labelled import Table
-from bertforge.data.long_text import outputs_of_records, record_of, records_of
-from bertforge.data.text_packing import PACKED_INPUTS, PackShape
+from bertforge.data.long_text import record_of, records_of
+from bertforge.data.text_packing import PackShape
 from bertforge.finetuning import FinetuneTask
+from bertforge.finetuning.pairs import distinct_texts
 from bertforge.hub import HubConfig, Publisher
 from bertforge.model import sentence_folder
 from bertforge.model.hf import Pretrained, save_pretrained
 from bertforge.runtime.devices import fetch, global_array
-from bertforge.tasks.model_outputs import INPUTS, outputs_by_length
-from bertforge.tasks.packed_batches import job_step_batch, packed_ahead, packed_outputs, shapes_line
+from bertforge.tasks.fold_eval import Evaluations, eval_batch, scores
+from bertforge.tasks.model_outputs import INPUTS
+from bertforge.tasks.packed_batches import job_step_batch, packed_ahead, shapes_line
 from bertforge.train import loop, metrics
 from bertforge.train.checkpoint import Checkpoints
 from bertforge.train.metrics_log import LogConfig, MetricsLog, read_metrics
 from bertforge.train.optim import OptimConfig, learning_rate, warmup_fraction
-from bertforge.train.sequence_step import LOSSES, loss_count
 from bertforge.train.step import TrainState, new_train_state
 
 
@@ -133,21 +134,6 @@ def _batch(job: Job, rows: np.ndarray, length: int) -> dict[str, np.ndarray]:
     return {**batch, "targets": targets, "weight": weight}
 
 
-def scores(job: Job, outputs: np.ndarray, targets: np.ndarray) -> dict[str, float]:
-    """The task's metrics and the loss of `outputs` against `targets` (of the validation table's rows)."""
-    found = job.task.scores(outputs, targets, job.names, (job.valid_table or job.table).source)
-    if job.loss in LOSSES:  # a contrastive loss is of a batch, not of the whole validation set
-        found["loss"] = float(_mean_loss(outputs, targets, job.loss))
-    return found
-
-
-@functools.partial(jax.jit, static_argnums=2)
-def _mean_loss(outputs: jax.Array, targets: jax.Array, loss: str) -> jax.Array:
-    # One program: run op by op, the loss would compile a dozen (0.3-0.5 s on a first run, with their tracing).
-    weight = jnp.ones(outputs.shape[0], jnp.float32)
-    return jnp.sum(LOSSES[loss](outputs, targets)) / loss_count(loss, targets, weight)
-
-
 def compile_ahead(job: Job, state: TrainState, key: jax.Array, lengths: np.ndarray, valid_lengths: np.ndarray,
                   first_step: int, steps: int) -> None:  # fmt: skip
     """Start compiling, in background threads (train/ahead.py), the gradients' program of every length the fold's
@@ -165,10 +151,11 @@ def compile_ahead(job: Job, state: TrainState, key: jax.Array, lengths: np.ndarr
     for n in needed:  # all-filler batches of each shape: only their shapes and layouts matter
         batch = _batch(job, np.zeros(0, np.int64), n)
         job.step_jit.ahead(state, {k: global_array(v, job.mesh) for k, v in batch.items()}, key)
+    size, choices = eval_batch(job)
     evaluated = {padded_length(int(valid_lengths[idx].max()), job.limit, job.bucket, job.rungs)
-                 for idx in by_length(valid_lengths, job.train.eval_batch_size)}  # fmt: skip
+                 for idx in by_length(valid_lengths, size)}  # fmt: skip
     for n in sorted(evaluated, reverse=True):  # the evaluation runs longest first
-        batch = pad_batch([], job.pre.tokenizer.pad_id, n, job.train.eval_batch_size, job.choices)
+        batch = pad_batch([], job.pre.tokenizer.pad_id, n, size, choices)
         job.forward_jit.ahead(state.params, {k: global_array(batch[k], job.mesh) for k in INPUTS})
 
 
@@ -182,6 +169,8 @@ class Fold:
     valid_rows: np.ndarray
     lengths: np.ndarray  # the training rows' token counts
     valid_encs: list[Row]
+    eval_encs: list[Row]  # what evaluation computes: valid_encs, or an embedding model's distinct texts of them
+    eval_index: np.ndarray | None  # (R, N): where each validation row's texts are among eval_encs (embedding)
     valid_records: np.ndarray  # (D,) the records of the validation rows: the rows, or the texts of their windows
     valid_targets: np.ndarray  # the records' targets
     per_epoch: int  # steps per epoch
@@ -218,13 +207,17 @@ def _plan(job: Job, fold: int, fold_dir: Path, train_rows: np.ndarray, valid_row
     per_epoch = math.ceil(len(train_rows) / job.train.batch_size)
     valid = job.valid_table or job.table
     records = np.unique(record_of(valid)[valid_rows])
+    valid_encs = [(job.valid_encs or job.encs)[i] for i in valid_rows]
+    eval_encs, eval_index = distinct_texts(valid_encs) if job.task.HEAD == "embedding" else (valid_encs, None)
     return Fold(
         number=fold,
         dir=fold_dir,
         train_rows=train_rows,
         valid_rows=valid_rows,
         lengths=np.array([tokens_of(job.encs[i]) for i in train_rows]),
-        valid_encs=[(job.valid_encs or job.encs)[i] for i in valid_rows],
+        valid_encs=valid_encs,
+        eval_encs=eval_encs,
+        eval_index=eval_index,
         valid_records=records,
         valid_targets=records_of(valid).targets[records],
         per_epoch=per_epoch,
@@ -244,7 +237,7 @@ def _train(job: Job, fold: Fold, state: TrainState, checkpoints: Checkpoints, st
     evaluations = Evaluations(job, fold)
     log.message(_describe(job, fold, start_step))
     warmup = warmup_fraction(job.optim, fold.steps)
-    valid_lengths = np.array([tokens_of(e) for e in fold.valid_encs])
+    valid_lengths = np.array([tokens_of(e) for e in fold.eval_encs])
     compile_ahead(job, state, key, fold.lengths, valid_lengths, start_step, fold.steps)
     batches = _training_batches(job, fold, start_step)
     save = functools.partial(_save, job, fold, checkpoints, evaluations)
@@ -286,7 +279,7 @@ def _describe(job: Job, fold: Fold, start_step: int) -> str:
         + (f" (windows of {texts} texts); " if texts < len(fold.valid_rows) else "; ")
         + f"{fold.steps} steps of {job.train.batch_size} ({fold.per_epoch} per epoch), evaluating every "
         f"{fold.every}; "
-        + shapes_line(job.pack, job.rungs, job.bucket)
+        + shapes_line(job.pack, job.rungs, job.bucket, whole=job.task.HEAD == "embedding")
         + (f"; resuming from step {start_step}" if start_step else "")
     )
 
@@ -305,46 +298,6 @@ def _training_batches(job: Job, fold: Fold, first_step: int) -> Iterator[dict[st
             batch = _batch(job, fold.train_rows[local], length)
             yield {k: global_array(v, job.mesh) for k, v in batch.items()}
         epoch, skip = epoch + 1, 0
-
-
-def _valid_outputs(job: Job, fold: Fold, params: Any) -> np.ndarray:
-    """The model's outputs on the fold's validation records (a text's windows pooled)."""
-
-    def forward(batch: dict[str, np.ndarray]) -> np.ndarray:
-        keys = PACKED_INPUTS if job.pack else INPUTS
-        out = np.asarray(job.forward_jit(params, {k: global_array(batch[k], job.mesh) for k in keys}))
-        return out.reshape(len(out), -1) if job.task.HEAD == "embedding" else out  # a row's N vectors, flat
-
-    pad_id, size = job.pre.tokenizer.pad_id, job.train.eval_batch_size
-    if job.pack is not None:
-        outputs = packed_outputs(forward, fold.valid_encs, job.pack, pad_id)
-    else:
-        outputs = outputs_by_length(forward, fold.valid_encs, pad_id, size, job.limit, job.bucket, rungs=job.rungs)
-    return outputs_of_records(job.valid_table or job.table, fold.valid_rows, outputs)[1]
-
-
-class Evaluations:
-    """The loop's evaluation, which keeps the validation outputs of each step whose checkpoint is kept: the best
-    step's are the fold's outputs."""
-
-    def __init__(self, job: Job, fold: Fold) -> None:
-        self.job, self.fold = job, fold
-        self.outputs: dict[int, np.ndarray] = {}  # step -> validation outputs
-
-    def evaluate(self, step: int, state: TrainState) -> dict[str, float]:
-        began = time.perf_counter()
-        self.outputs[step] = _valid_outputs(self.job, self.fold, state.params)
-        found = {f"valid_{k}": v for k, v in scores(self.job, self.outputs[step], self.fold.valid_targets).items()}
-        return {**found, "eval_seconds": time.perf_counter() - began}
-
-    def keep(self, steps: set[int]) -> None:
-        """Forget the outputs of the steps whose checkpoints are gone: they can no longer be the best."""
-        for gone in [s for s in self.outputs if s not in steps]:
-            del self.outputs[gone]
-
-    def of_step(self, step: int, state: TrainState) -> np.ndarray:
-        """The outputs of `step`, whose state is `state`: evaluated again when that was before a resume."""
-        return self.outputs[step] if step in self.outputs else _valid_outputs(self.job, self.fold, state.params)
 
 
 def _save(job: Job, fold: Fold, checkpoints: Checkpoints, evaluations: Evaluations, step: int, state: TrainState,

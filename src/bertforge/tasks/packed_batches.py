@@ -1,12 +1,14 @@
 """Fine-tuning with packed rows (data/text_packing.py): whether a run packs, the one shape its batches take, and the
 validation outputs of packed batches.
 
-A run packs (`data.pack`) where packing is exact: a sequence head pooling by cls, mean or max, on a family whose
-encoder attends within each packed text (segment ids; not DeBERTa). By default (auto) it packs only where the
-packed steps compute at most MARGIN times what batches padded to the length ladder would (both compute only the
-first token of each text in the last layer when the head reads only that). A step's texts go into as many
-micro-batches of the run's one shape as they need (train/packed_step.py), so every step of every fold runs the
-same programs. Training batches are then random: with no padding to save, pools sorted by length buy nothing.
+A run packs (`data.pack`) where packing is exact: a sequence head or an embedding model pooling by cls, mean or
+max, on a family whose encoder attends within each packed text (segment ids; not DeBERTa). By default (auto) it
+packs only where the packed steps compute at most MARGIN times what batches padded to the length ladder would (both
+compute only the first token of each text in the last layer when the head reads only that). A step's texts go into
+as many micro-batches of the run's one shape as they need (train/packed_step.py), so every step of every fold runs
+the same programs; an embedding model's loss is over the whole batch, so its step's texts (every row's anchor,
+positive and negatives) go into one batch of as many rows as the fullest step needs (whole_plan). Training batches
+are then random: with no padding to save, pools sorted by length buy nothing.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from bertforge.data.batching import Row, bucket_length, epoch_batches, padded_length, tokens_of
+from bertforge.data.batching import EncodedChoices, Row, bucket_length, epoch_batches, padded_length, tokens_of
 from bertforge.data.text_packing import PackShape, eval_batches, fill, first_fit, micro_batches, pack, round_up
 from bertforge.model.architectures import SEGMENT_FAMILIES
 from bertforge.model.config import ModelConfig
@@ -34,7 +36,7 @@ MARGIN = 1.05
 
 def why_not(head: str, family: str, pooling: str) -> str:
     """Why a model cannot be fine-tuned on packed rows ('' when it can)."""
-    if head != "sequence":
+    if head not in ("sequence", "embedding"):
         return f"the {head} head reads tokens, not texts"
     if family not in SEGMENT_FAMILIES:
         return f"{family} has no attention within packed texts"
@@ -58,43 +60,84 @@ def plan(
     `fold_rows`: each fold's training rows; `lengths`: every training row's tokens. `settings`: batch_size,
     grad_accum, epochs, eval_batch_size, seed, bucket."""
     s = settings
+    length = _row_length(lengths, valid_lengths, limit, s["bucket"])
+    needs = _needs(lengths, fold_rows, length, s)
+    most = max(1, s["batch_size"] // s["grad_accum"] * limit // length)
+    candidates = sorted({round_up(r, shards) for r in range(1, min(int(needs.max()), most) + 1)})
+    rows = min(candidates, key=lambda r: (np.ceil(needs / r) * (r + MICRO_COST)).sum())
+    per_row = _per_row(lengths, valid_lengths, length)
+    texts = round_up(min(s["batch_size"], rows * per_row), shards)
+    mean_rows = float((np.ceil(needs / rows) * rows).mean())
+    return PackShape(length, rows, texts, *_eval_shape(lengths, valid_lengths, length, s, shards), mean_rows)
+
+
+def whole_plan(
+    lengths: np.ndarray,
+    valid_lengths: np.ndarray,
+    fold_rows: Sequence[np.ndarray],
+    limit: int,
+    settings: dict[str, Any],
+    shards: int,
+) -> PackShape:
+    """As plan, for a loss over the whole batch (an embedding model's): each step's texts packed into one batch of
+    as many rows as the step that needs most. `lengths` (R, N): the tokens of each training row's N texts."""
+    s = settings
+    length = _row_length(lengths, valid_lengths, limit, s["bucket"])
+    rows = round_up(int(_needs(lengths, fold_rows, length, s).max()), shards)
+    texts = s["batch_size"] * lengths.shape[1]
+    return PackShape(length, rows, texts, *_eval_shape(lengths, valid_lengths, length, s, shards), float(rows))
+
+
+def _row_length(lengths: np.ndarray, valid_lengths: np.ndarray, limit: int, bucket: int) -> int:
+    """The rows' length: the longest text's, as a multiple of `bucket`."""
     longest = int(max(lengths.max(), valid_lengths.max() if len(valid_lengths) else 0))
-    length = bucket_length(longest, limit, max(s["bucket"], 1))
-    needs = np.array([
-        len(first_fit(fold[b].tolist(), length))
+    return bucket_length(longest, limit, max(bucket, 1))
+
+
+def _needs(lengths: np.ndarray, fold_rows: Sequence[np.ndarray], length: int, s: dict[str, Any]) -> np.ndarray:
+    """The rows each training step of every fold packs its texts into (all texts of a row of (R, N) `lengths`)."""
+    return np.array([
+        len(first_fit(fold[b].ravel().tolist(), length))
         for fold in (lengths[rows] for rows in fold_rows)
         for epoch in range(math.ceil(s["epochs"]))
         for b in epoch_batches(fold, s["batch_size"], 0, s["seed"], epoch)
     ])  # fmt: skip
-    most = max(1, s["batch_size"] // s["grad_accum"] * limit // length)
-    candidates = sorted({round_up(r, shards) for r in range(1, min(int(needs.max()), most) + 1)})
-    rows = min(candidates, key=lambda r: (np.ceil(needs / r) * (r + MICRO_COST)).sum())
+
+
+def _per_row(lengths: np.ndarray, valid_lengths: np.ndarray, length: int) -> int:
+    """The texts a row holds at most."""
     shortest = int(min(lengths.min(), valid_lengths.min() if len(valid_lengths) else length))
-    per_row = max(1, length // max(shortest, 1))  # texts a row holds at most
-    texts = round_up(min(s["batch_size"], rows * per_row), shards)
-    eval_rows = round_up(max(1, math.ceil(s["eval_batch_size"] * float(lengths.mean()) / length)), shards)
-    mean_rows = float((np.ceil(needs / rows) * rows).mean())
-    return PackShape(length, rows, texts, eval_rows, round_up(eval_rows * per_row, shards), mean_rows)
+    return max(1, length // max(shortest, 1))
+
+
+def _eval_shape(lengths: np.ndarray, valid_lengths: np.ndarray, length: int, s: dict[str, Any],
+                shards: int) -> tuple[int, int]:  # fmt: skip
+    """(rows, texts) of an evaluation batch: about eval_batch_size texts of the training texts' mean length."""
+    rows = round_up(max(1, math.ceil(s["eval_batch_size"] * float(lengths.mean()) / length)), shards)
+    return rows, round_up(rows * _per_row(lengths, valid_lengths, length), shards)
 
 
 def ladder_work(lengths: np.ndarray, batch_size: int, limit: int, bucket: int, rungs: tuple[int, ...], seed: int,
-                model: ModelConfig) -> int:  # fmt: skip
+                model: ModelConfig, per_row: int = 1) -> int:  # fmt: skip
     """Token-layers an epoch of batches padded to the ladder computes: every layer of every padded token, but
-    only the first token of each text in the last layer when the head reads only that (cls pooling)."""
+    only the first token of each text in the last layer when the head reads only that (cls pooling). `per_row`:
+    the texts of a row (an embedding model's pair), each padded to the batch's length."""
     first_only = model.pooling == "cls"
+    texts = batch_size * per_row
     work = 0
     for b in epoch_batches(lengths, batch_size, max(bucket, 1), seed, 0):
-        tokens = batch_size * padded_length(int(lengths[b].max()), limit, bucket, rungs)
-        work += tokens * (model.num_layers - first_only) + batch_size * first_only
+        tokens = texts * padded_length(int(lengths[b].max()), limit, bucket, rungs)
+        work += tokens * (model.num_layers - first_only) + texts * first_only
     return work
 
 
-def packed_work(shape: PackShape, texts: int, batch_size: int, model: ModelConfig) -> float:
-    """Token-layers an epoch of packed steps computes: every layer of every token of their rows, but only each
-    text's first token in the last layer when the head reads only that (cls pooling)."""
+def packed_work(shape: PackShape, rows: int, batch_size: int, model: ModelConfig, per_row: int = 1) -> float:
+    """Token-layers an epoch of packed steps of `rows` rows of data computes: every layer of every token of their
+    packed rows, but only each text's first token in the last layer when the head reads only that (cls pooling)."""
     first_only = model.pooling == "cls"
     tokens = shape.mean_rows * shape.length
-    return math.ceil(texts / batch_size) * (tokens * (model.num_layers - first_only) + batch_size * first_only)
+    texts = batch_size * per_row
+    return math.ceil(rows / batch_size) * (tokens * (model.num_layers - first_only) + texts * first_only)
 
 
 def packed_outputs(forward: Callable[[dict[str, np.ndarray]], Any], encs: Sequence[Row], shape: PackShape,
@@ -126,11 +169,29 @@ def step_batch(encs: Sequence[Row], targets: np.ndarray, weights: np.ndarray, sh
     return PackedBatch(micro, float((weights > 0).sum()))
 
 
-def job_step_batch(job: Any, rows: np.ndarray) -> PackedBatch:
-    """A fine-tuning job's (finetune_fold.Job) training step of `rows` as packed micro-batches on its devices."""
+def whole_batch(rows: Sequence[EncodedChoices], targets: np.ndarray, weights: np.ndarray, shape: PackShape,
+                pad_id: int, size: int) -> dict[str, np.ndarray]:  # fmt: skip
+    """A training step of `size` rows of N texts each (an embedding model's) as one packed batch: text n of row r
+    in slot r * N + n; the rows past len(rows) are fillers, with no texts and weight 0."""
+    encs = [e for row in rows for e in row.options]
+    batch = fill(encs, first_fit([len(e.ids) for e in encs], shape.length), shape.length, shape.rows, shape.texts,
+                 pad_id)  # fmt: skip
+    t = np.zeros((size, *targets.shape[1:]), targets.dtype)
+    w = np.zeros(size, np.float32)
+    t[: len(rows)], w[: len(rows)] = targets, weights
+    return {**batch, "targets": t, "weight": w}
+
+
+def job_step_batch(job: Any, rows: np.ndarray) -> PackedBatch | dict[str, Any]:
+    """A fine-tuning job's (finetune_fold.Job) training step of `rows` on its devices: packed micro-batches, or for
+    an embedding model one packed batch (whole_batch)."""
     put = functools.partial(global_array, mesh=job.mesh)
     encs, pad_id = [job.encs[i] for i in rows], job.pre.tokenizer.pad_id
-    return step_batch(encs, job.table.targets[rows], job.table.weights[rows], job.pack, pad_id, put)
+    targets, weights = job.table.targets[rows], job.table.weights[rows]
+    if job.task.HEAD == "embedding":
+        batch = whole_batch(encs, targets, weights, job.pack, pad_id, job.train.batch_size)
+        return {k: put(v) for k, v in batch.items()}
+    return step_batch(encs, targets, weights, job.pack, pad_id, put)
 
 
 def packed_ahead(job: Any, state: Any, key: Any) -> None:
@@ -140,8 +201,10 @@ def packed_ahead(job: Any, state: Any, key: Any) -> None:
     job.forward_jit.ahead(state.params, {k: global_array(v, job.mesh) for k, v in empty.items()})
 
 
-def shapes_line(shape: PackShape | None, rungs: tuple[int, ...], bucket: int) -> str:
-    """How a fold's log describes its batches' shapes."""
+def shapes_line(shape: PackShape | None, rungs: tuple[int, ...], bucket: int, whole: bool = False) -> str:
+    """How a fold's log describes its batches' shapes (`whole`: a step's texts packed into one batch)."""
+    if shape is not None and whole:
+        return f"each step's texts packed into one batch of {shape.rows} rows of {shape.length} tokens"
     if shape is not None:
         steps = f"{shape.mean_rows / shape.rows:.2f}"
         return f"texts packed into micro-batches of {shape.rows} rows of {shape.length} tokens ({steps} a step)"

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from bertforge.data.text_packing import PACKED_INPUTS
 from bertforge.train.contrastive import ContrastiveConfig, batch_loss
 from bertforge.train.loss_scale import scaled, unscale
 from bertforge.train.step import micro_batches, with_stream_keys
@@ -25,8 +26,12 @@ INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 
 
 def _embed(graphdef: Any, rest: Any, params: Any, batch: dict[str, jax.Array], keys: Any) -> jax.Array:
-    """(b, N, T) inputs -> (b, N, D) embeddings, dropout keyed by `keys` (None: the model draws none)."""
+    """(b, N, T) inputs -> (b, N, D) embeddings, dropout keyed by `keys` (None: the model draws none). Rows that
+    pack the batch's texts (data/text_packing.py) hold text n of row r in slot r * N + n."""
     model = nnx.merge(graphdef, params, rest if keys is None else with_stream_keys(rest, keys))
+    if "starts" in batch:
+        b = batch["targets"].shape[0]
+        return model.packed(*(batch[k] for k in PACKED_INPUTS)).reshape(b, batch["starts"].shape[0] // b, -1)
     return model(*(batch[k] for k in INPUTS))
 
 
@@ -43,13 +48,14 @@ def contrastive_gradients(
     """(gradients, loss) of the batch's contrastive loss; `keys`: each random stream's (A,) keys, one per
     mini-batch (sequence_step.dropout_keys), or None; `scale`: float16's loss scale, divided out again."""
     targets = batch["targets"]
-    inputs = {k: micro_batches(batch[k], grad_accum) for k in INPUTS}  # (A, B/A, N, T)
-    if grad_accum == 1:
+    if grad_accum == 1:  # the whole batch at once: padded (B, N, T), or packed rows
         first = None if keys is None else tuple(k[0] for k in keys)
-        one = {k: v[0] for k, v in inputs.items()}
-        loss_fn = lambda p: scaled(batch_loss(cfg, _embed(graphdef, rest, p, one, first), targets), scale)  # noqa: E731
+        loss_fn = lambda p: scaled(batch_loss(cfg, _embed(graphdef, rest, p, batch, first), targets), scale)  # noqa: E731
         loss, grads = jax.value_and_grad(loss_fn)(params)
         return unscale(grads, loss, scale)
+    if "starts" in batch:
+        raise ValueError("the cached loss embeds mini-batches of rows: packed rows are taken whole")
+    inputs = {k: micro_batches(batch[k], grad_accum) for k in INPUTS}  # (A, B/A, N, T)
 
     def forward(_: None, xs: tuple) -> tuple[None, jax.Array]:
         part, k = xs
