@@ -20,7 +20,8 @@ from bertforge.model.heads import Embedder
 from bertforge.model.hf import Pretrained
 from bertforge.model.load import load_model
 from bertforge.model.sentence_folder import read_pooling
-from bertforge.tasks.model_outputs import forward_of, outputs_by_length
+from bertforge.tasks.model_outputs import forward_of, outputs_by_length, packed_forward_of
+from bertforge.tasks.packed_batches import inference_shape, packed_outputs, why_not
 from bertforge.tokenizer.load import TRUNCATIONS, Truncation
 
 FORMATS = (".npy", ".parquet")
@@ -38,6 +39,9 @@ class EmbedConfig:
     truncation: Truncation = "head"
     dtype: str = "float32"  # bfloat16 computes in bfloat16 (vectors are written as float32)
     quoted_tsv: bool = False
+    # Several texts to a row, in batches of one shape, where the family and pooling allow it; --no-pack: batches
+    # of texts of similar length, each padded to its longest.
+    pack: bool = True
 
     def __post_init__(self) -> None:
         if self.truncation not in TRUNCATIONS:
@@ -77,8 +81,10 @@ def embed(
     max_length: int | None = None,
     truncation: str = "head",
     progress: bool = False,
+    packed: bool = True,
 ) -> np.ndarray:
-    """(N, D) float32 vectors of `texts`, batched by length (each padded length compiles once)."""
+    """(N, D) float32 vectors of `texts`: packed several to a row in batches of one shape (compiled once) where the
+    model's family and pooling have a packed form, else batched by length (each padded length compiled once)."""
     if not isinstance(pre.model, Embedder):
         raise UserError(f"{pre.folder}: not an embedding model")
     cfg = pre.model.config
@@ -89,6 +95,9 @@ def embed(
     try:
         if not encs:
             return np.zeros((0, cfg.hidden_size), np.float32)
+        if packed and not why_not("embedding", cfg.family, cfg.pooling):
+            shape = inference_shape(np.array([len(e.ids) for e in encs]), batch_size, limit)
+            return packed_outputs(packed_forward_of(pre.model), encs, shape, pre.tokenizer.pad_id, bar)
         return outputs_by_length(forward_of(pre.model), encs, pre.tokenizer.pad_id, batch_size, limit, bar=bar)
     finally:
         bar.close()
@@ -104,7 +113,7 @@ def main(cfg: EmbedConfig) -> np.ndarray:
     id_column = cfg.id_column or ("id" if "id" in columns else None)
     ids = tabular.plain_column(cfg.data, columns, rows, id_column) if id_column else None
     max_length = cfg.max_length or settings.get("max_length")
-    vectors = embed(pre, texts, cfg.batch_size, max_length, cfg.truncation, progress=True)
+    vectors = embed(pre, texts, cfg.batch_size, max_length, cfg.truncation, progress=True, packed=cfg.pack)
     write(cfg.out, vectors, id_column, ids)
     return vectors
 

@@ -6,11 +6,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from bertforge.data.batching import BUCKET, Row, by_length, pad_batch, padded_length, tokens_of
+from bertforge.data.text_packing import PACKED_INPUTS
 from bertforge.errors import UserError
 from bertforge.model.hf import Pretrained
 
@@ -25,6 +27,17 @@ def _head_outputs(model: nnx.Module, ids, mask, types):
 def forward_of(model: nnx.Module) -> Callable[[dict[str, Any]], Any]:
     """batch -> the outputs of a sequence or token model (put in eval mode by the caller), jitted."""
     return lambda batch: _head_outputs(model, *(jnp.asarray(batch[k]) for k in INPUTS))
+
+
+@nnx.jit
+def _packed_outputs(model: nnx.Module, *inputs: jax.Array) -> jax.Array:
+    return model.packed(*inputs)
+
+
+def packed_forward_of(model: nnx.Module) -> Callable[[dict[str, Any]], Any]:
+    """A packed batch (data/text_packing.py) -> each text's outputs, of a model with a packed form (eval mode set
+    by the caller), jitted."""
+    return lambda batch: _packed_outputs(model, *(jnp.asarray(batch[k]) for k in PACKED_INPUTS))
 
 
 def outputs_by_length(

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from bertforge.data.batching import EncodedChoices, Row, bucket_length, epoch_batches, padded_length, tokens_of
+from bertforge.data.batching import BUCKET, EncodedChoices, Row, bucket_length, epoch_batches, padded_length, tokens_of
 from bertforge.data.text_packing import PackShape, eval_batches, fill, first_fit, micro_batches, pack, round_up
 from bertforge.model.architectures import SEGMENT_FAMILIES
 from bertforge.model.config import ModelConfig
@@ -141,8 +141,9 @@ def packed_work(shape: PackShape, rows: int, batch_size: int, model: ModelConfig
 
 
 def packed_outputs(forward: Callable[[dict[str, np.ndarray]], Any], encs: Sequence[Row], shape: PackShape,
-                   pad_id: int) -> np.ndarray:  # fmt: skip
-    """forward(packed batch) -> (N, L) over all encodings, in input order, in batches of shape.eval_rows rows."""
+                   pad_id: int, bar: Any = None) -> np.ndarray:  # fmt: skip
+    """forward(packed batch) -> (N, L) over all encodings, in input order, in batches of shape.eval_rows rows.
+    `bar`, a tqdm progress bar, advances by the texts done."""
     out: np.ndarray | None = None
     lengths = np.array([tokens_of(e) for e in encs])
     for idx in eval_batches(lengths, shape.length, shape.eval_rows, shape.eval_texts):
@@ -151,8 +152,19 @@ def packed_outputs(forward: Callable[[dict[str, np.ndarray]], Any], encs: Sequen
         if out is None:
             out = np.zeros((len(encs), values.shape[-1]), np.float32)
         out[idx] = values
+        if bar is not None:
+            bar.update(len(idx))
     assert out is not None
     return out
+
+
+def inference_shape(lengths: np.ndarray, batch_size: int, limit: int) -> PackShape:
+    """The one shape of packed inference batches over texts of `lengths` tokens: rows of the longest text's length
+    (a multiple of BUCKET) holding about batch_size texts of the mean length."""
+    length = bucket_length(int(lengths.max()), limit, BUCKET)
+    rows = max(1, math.ceil(batch_size * float(lengths.mean()) / length))
+    texts = rows * max(1, length // max(int(lengths.min()), 1))
+    return PackShape(length, rows, texts, rows, texts)
 
 
 def step_batch(encs: Sequence[Row], targets: np.ndarray, weights: np.ndarray, shape: PackShape, pad_id: int,
