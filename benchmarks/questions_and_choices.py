@@ -115,6 +115,7 @@ def _files(task: str, work: Path) -> tuple[Path, Path]:
 def _bertforge(args: argparse.Namespace, work: Path, out: Path) -> dict:
     cmd = bertforge_command(args, args.task, *_files(args.task, work), out)
     cmd += ["--stride", str(args.stride), "--max-answer-length", str(MAX_ANSWER)] if args.task == QA else []
+    cmd += [] if args.pack == "auto" else [f"--data.pack={args.pack}"]
     summary, times = run_bertforge(cmd, out)
     found = summary["out_of_fold"]
     scores = {"score": found["f1"], "exact_match": found["exact_match"]} if args.task == QA else {
@@ -276,6 +277,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seeds", type=int, nargs="+", default=[0], help="training seeds, one run of each system per seed")
     p.add_argument("--device", choices=["cpu", "gpu"], default="cpu", help="where the Trainer runs")
     p.add_argument("--bf16", action="store_true", help="bf16 compute in both systems")
+    p.add_argument("--pack", choices=["auto", "true", "false"], default="auto", help="bertforge's data.pack")
     p.add_argument("--work", default=str(ROOT / "runs/bench-questions"), help="split and run folders")
     p.add_argument("--render", action="store_true", help="only redraw the table and plot from the saved results")
     p.add_argument("--keep", action="store_true", help="add to the saved results, replacing only the seeds run now")
@@ -292,6 +294,7 @@ def _name(args: argparse.Namespace, default_model: bool) -> str:
         value = getattr(args, key)
         name += "" if value == DEFAULTS[args.task][key] else f"_{short}{value:g}"
     name += "" if args.train_fraction == 1.0 else f"_frac{args.train_fraction:g}"
+    name += "" if args.pack == "auto" else f"_pack{args.pack}"
     return name + ("_bf16" if args.bf16 else "") + ("_gpu" if args.device == "gpu" else "")
 
 

@@ -18,6 +18,8 @@ from test_architectures import init_model
 from test_compile_cache import COUNTING, _env, _total
 from test_embedding import pair_rows, write_rows
 from test_finetune import _refused, river_rows, write_table
+from test_multiple_choice import choice_records
+from test_multiple_choice import write_csv as write_choices
 
 from bertforge.data.batching import EncodedChoices, epoch_batches, pad_batch
 from bertforge.data.text_packing import PACKED_INPUTS, PackShape, eval_batches, first_fit, micro_batches, pack
@@ -136,17 +138,19 @@ def test_packed_losses_and_gradients_equal_the_padded_ones(family, loss):
 
 
 # ------------------------------------------------------------------------------------------------ embedding models
-def pair_batch(cfg: ModelConfig, rows: int = 6, real: int = 5) -> tuple[dict, dict]:
-    """`real` rows of (anchor, positive, negative) texts of mixed lengths, and fillers up to `rows`: padded to 32
-    as (B, 3, T), and packed whole (whole_batch) into 12 rows of 32."""
+def pair_batch(cfg: ModelConfig, rows: int = 6, real: int = 5, targets: np.ndarray | None = None) -> tuple[dict, dict]:
+    """`real` rows of (anchor, positive, negative) texts of mixed lengths (or 3 choices of a question, with
+    `targets`), and fillers up to `rows`: padded to 32 as (B, 3, T), and packed whole (whole_batch) into 12 rows
+    of 32."""
     lengths = np.random.default_rng(6).integers(2, 31, (real, 3))
     lengths[0, 1] = 32  # one text fills its row
     encs = texts(lengths.ravel().tolist(), seed=7)
     if not cfg.type_vocab_size:
         encs = [Encoded(e.ids, [0] * len(e.ids)) for e in encs]
     pairs = [EncodedChoices(tuple(encs[3 * r : 3 * r + 3])) for r in range(real)]
-    targets = np.stack([np.ones(real), np.ones(real), np.arange(real), np.arange(real)], 1).astype(np.float32)
-    targets[3, 3] = 0  # row 3's positive is row 0's passage: not its negative
+    if targets is None:
+        targets = np.stack([np.ones(real), np.ones(real), np.arange(real), np.arange(real)], 1).astype(np.float32)
+        targets[3, 3] = 0  # row 3's positive is row 0's passage: not its negative
     weight = np.ones(real, np.float32)
     shape = PackShape(length=32, rows=12, texts=3 * rows, eval_rows=1, eval_texts=1)
     packed = packed_batches.whole_batch(pairs, targets, weight, shape, cfg.pad_token_id, rows)
@@ -169,6 +173,26 @@ def test_packed_embedding_losses_and_gradients_equal_the_padded_ones(family, poo
     g1, l1, _ = gradients(graphdef, rest, params, None, {k: jnp.asarray(v) for k, v in padded.items()}, step)
     g2, l2, _ = gradients(graphdef, rest, params, None, {k: jnp.asarray(v) for k, v in packed.items()}, step)
     assert float(l2) == pytest.approx(float(l1), abs=1e-5) and float(l1) > 0.1
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2), strict=True):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5, rtol=0)
+    assert max(float(jnp.abs(g).max()) for g in jax.tree.leaves(g1)) > 1e-3
+
+
+@pytest.mark.parametrize("family", SEGMENT_FAMILIES)
+def test_packed_choices_have_the_scores_losses_and_gradients_of_padded_ones(family):
+    """A step of questions with 3 choices each, packed whole: each choice's score, the cross-entropy over each
+    question's choices and its gradients as the padded (B, N, T) batch gives them."""
+    cfg = family_config(family, "cls")
+    graphdef, params, rest = nnx.split(build(cfg, "choice", seed=0), nnx.Param, ...)
+    padded, packed = pair_batch(cfg, targets=np.array([2, 0, 1, 1, 0], np.int32))
+    alone = predict_step(graphdef, rest, params, {k: jnp.asarray(padded[k]) for k in INPUTS})  # (B, 3)
+    together = predict_step(graphdef, rest, params, {k: jnp.asarray(packed[k]) for k in PACKED_INPUTS})  # (3B, 1)
+    np.testing.assert_allclose(np.asarray(together).reshape(alone.shape)[:5], np.asarray(alone)[:5], atol=1e-5)
+    assert np.ptp(np.asarray(alone)[:5], axis=1).min() > 1e-3  # the choices' scores differ
+    step = SequenceStepConfig("cross_entropy", dropout=False)
+    g1, l1, _ = gradients(graphdef, rest, params, None, {k: jnp.asarray(v) for k, v in padded.items()}, step)
+    g2, l2, _ = gradients(graphdef, rest, params, None, {k: jnp.asarray(v) for k, v in packed.items()}, step)
+    assert float(l2) == pytest.approx(float(l1), abs=1e-5)
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2), strict=True):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5, rtol=0)
     assert max(float(jnp.abs(g).max()) for g in jax.tree.leaves(g1)) > 1e-3
@@ -269,6 +293,7 @@ def test_packing_is_offered_only_where_it_is_exact():
     assert "no packed form" in packed_batches.why_not("sequence", "bert", "attention")
     assert "reads tokens" in packed_batches.why_not("token", "bert", "cls")
     assert packed_batches.why_not("embedding", "modernbert", "mean") == ""
+    assert packed_batches.why_not("choice", "electra", "cls") == ""
 
 
 # ------------------------------------------------------------------------------------------------ one program
@@ -313,6 +338,17 @@ def test_a_packed_embedding_run_compiles_one_training_and_one_evaluation_program
     assert _total(counts, "compile_requests_use_cache", "jit(predict_step)") == 1, counts
     summary = json.loads((tmp_path / "packed-pairs" / "summary.json").read_text())
     assert len(summary["folds"]) == 2 and all(0 < f["score"] <= 1 for f in summary["folds"]), summary
+
+
+def test_a_packed_multiple_choice_run_compiles_one_training_and_one_evaluation_program(model_dir, tmp_path):
+    data = write_choices(tmp_path / "choices.csv", choice_records(48, seed=4))
+    counts, log = _compiles(tmp_path, "packed-choices", model_dir, data, "--task", "multiple-choice",
+                            "--data.pack=true")  # fmt: skip
+    assert "each step's texts packed into one batch of" in log, log
+    assert _total(counts, "compile_requests_use_cache", "jit(gradients)") == 1, counts
+    assert _total(counts, "compile_requests_use_cache", "jit(predict_step)") == 1, counts
+    summary = json.loads((tmp_path / "packed-choices" / "summary.json").read_text())
+    assert len(summary["folds"]) == 2 and all(0 <= f["score"] <= 1 for f in summary["folds"]), summary
 
 
 def test_packing_asked_where_it_is_not_exact_is_one_line(wordpiece_dir, tmp_path, capsys):

@@ -287,7 +287,7 @@ def choice_reference(model_dir, tmp_path_factory) -> dict:
 
     root = tmp_path_factory.mktemp("choices")
     data = write_csv(root / "train.csv", choice_records(96, seed=5))
-    return task_reference(model_dir, root, data, "--task", "multiple-choice", "--max-length", "40")
+    return task_reference(model_dir, root, data, "--task", "multiple-choice", "--max-length", "40", "--data.pack=true")
 
 
 @pytest.mark.parametrize("seed", seeds(fast=0))
@@ -304,7 +304,8 @@ def embedding_reference(model_dir, tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("embedding")
     data = write_rows(root / "train.csv", pair_rows(96, seed=5))
     return task_reference(model_dir, root, data, "--task", "embedding", "--max-length", "16", "--text-column",
-                          "query", "--text-pair-column", "passage", "--negative-column", "negative")  # fmt: skip
+                          "query", "--text-pair-column", "passage", "--negative-column", "negative",
+                          "--data.pack=true")  # fmt: skip
 
 
 @pytest.mark.parametrize("seed", seeds(fast=0))

@@ -205,7 +205,7 @@ def _job(cfg: FinetuneConfig, run_dir: Path, pre: Pretrained, names: list[str], 
         pristine=pristine,
         param_shardings=shardings,
         tx=tx,
-        step_jit=(compile_packed_step if pack and not contrastive else compile_train_step)(
+        step_jit=(compile_packed_step if pack and task.HEAD not in packed_batches.WHOLE else compile_train_step)(
             graphdef, rest, tx, step_cfg, state_shardings
         ),
         forward_jit=Ahead(jax.jit(functools.partial(predict_step, graphdef, rest), out_shardings=replicated)),
@@ -293,14 +293,14 @@ def _fold_rows(table: Table, valid: Table | None, folds: np.ndarray | None, f: i
 
 
 def _not_packed(cfg: FinetuneConfig, pre: Pretrained) -> str:
-    """Why the run cannot pack its texts ('' when it can): packed_batches.why_not, the lazy table update, or an
-    embedding model's cached loss."""
+    """Why the run cannot pack its texts ('' when it can): packed_batches.why_not, the lazy table update, or
+    gradient accumulation over rows of N texts (an embedding model's cached loss)."""
     model, head = pre.model.config, TASKS[cfg.head.task].HEAD
     why = packed_batches.why_not(head, model.family, model.pooling)
     if not why and cfg.train.sparse_embeddings:
         why = "train.sparse_embeddings updates each batch's rows"
-    if not why and head == "embedding" and cfg.train.grad_accum > 1:
-        why = "the cached loss (train.grad_accum > 1) embeds the batch in mini-batches of rows"
+    if not why and head in packed_batches.WHOLE and cfg.train.grad_accum > 1:
+        why = f"a {head} step's texts are packed whole (train.grad_accum > 1)"
     return why
 
 
@@ -311,7 +311,7 @@ def _pack_shape(cfg: FinetuneConfig, pre: Pretrained, table: Table, valid: Table
     if cfg.data.pack is False or _not_packed(cfg, pre):
         return None
     t = cfg.train
-    whole = TASKS[cfg.head.task].HEAD == "embedding"  # rows of N texts, packed a whole step at once
+    whole = TASKS[cfg.head.task].HEAD in packed_batches.WHOLE  # rows of N texts, packed a whole step at once
     lengths, valid_lengths = (_text_lengths(x, whole) for x in (table, valid))
     per_row = lengths.shape[1] if whole else 1
     settings = {"batch_size": t.batch_size, "grad_accum": t.grad_accum, "epochs": t.epochs, "seed": t.seed,

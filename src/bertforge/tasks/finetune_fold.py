@@ -31,7 +31,7 @@ from bertforge.model.hf import Pretrained, save_pretrained
 from bertforge.runtime.devices import fetch, global_array
 from bertforge.tasks.fold_eval import Evaluations, eval_batch, scores
 from bertforge.tasks.model_outputs import INPUTS
-from bertforge.tasks.packed_batches import job_step_batch, packed_ahead, shapes_line
+from bertforge.tasks.packed_batches import WHOLE, job_step_batch, packed_ahead, shapes_line
 from bertforge.train import loop, metrics
 from bertforge.train.checkpoint import Checkpoints
 from bertforge.train.metrics_log import LogConfig, MetricsLog, read_metrics
@@ -169,7 +169,7 @@ class Fold:
     valid_rows: np.ndarray
     lengths: np.ndarray  # the training rows' token counts
     valid_encs: list[Row]
-    eval_encs: list[Row]  # what evaluation computes: valid_encs, or an embedding model's distinct texts of them
+    eval_encs: list[Row]  # what evaluation computes: valid_encs, or their distinct texts (embedding; packed choices)
     eval_index: np.ndarray | None  # (R, N): where each validation row's texts are among eval_encs (embedding)
     valid_records: np.ndarray  # (D,) the records of the validation rows: the rows, or the texts of their windows
     valid_targets: np.ndarray  # the records' targets
@@ -208,7 +208,8 @@ def _plan(job: Job, fold: int, fold_dir: Path, train_rows: np.ndarray, valid_row
     valid = job.valid_table or job.table
     records = np.unique(record_of(valid)[valid_rows])
     valid_encs = [(job.valid_encs or job.encs)[i] for i in valid_rows]
-    eval_encs, eval_index = distinct_texts(valid_encs) if job.task.HEAD == "embedding" else (valid_encs, None)
+    flat = job.task.HEAD == "embedding" or (job.pack is not None and job.task.HEAD in WHOLE)
+    eval_encs, eval_index = distinct_texts(valid_encs) if flat else (valid_encs, None)
     return Fold(
         number=fold,
         dir=fold_dir,
@@ -279,7 +280,7 @@ def _describe(job: Job, fold: Fold, start_step: int) -> str:
         + (f" (windows of {texts} texts); " if texts < len(fold.valid_rows) else "; ")
         + f"{fold.steps} steps of {job.train.batch_size} ({fold.per_epoch} per epoch), evaluating every "
         f"{fold.every}; "
-        + shapes_line(job.pack, job.rungs, job.bucket, whole=job.task.HEAD == "embedding")
+        + shapes_line(job.pack, job.rungs, job.bucket, whole=job.task.HEAD in WHOLE)
         + (f"; resuming from step {start_step}" if start_step else "")
     )
 

@@ -1,14 +1,14 @@
 """Fine-tuning with packed rows (data/text_packing.py): whether a run packs, the one shape its batches take, and the
 validation outputs of packed batches.
 
-A run packs (`data.pack`) where packing is exact: a sequence head or an embedding model pooling by cls, mean or
+A run packs (`data.pack`) where packing is exact: a sequence, choice or embedding head pooling by cls, mean or
 max, on a family whose encoder attends within each packed text (segment ids; not DeBERTa). By default (auto) it
 packs only where the packed steps compute at most MARGIN times what batches padded to the length ladder would (both
 compute only the first token of each text in the last layer when the head reads only that). A step's texts go into
 as many micro-batches of the run's one shape as they need (train/packed_step.py), so every step of every fold runs
-the same programs; an embedding model's loss is over the whole batch, so its step's texts (every row's anchor,
-positive and negatives) go into one batch of as many rows as the fullest step needs (whole_plan). Training batches
-are then random: with no padding to save, pools sorted by length buy nothing.
+the same programs. Where a row is N texts (WHOLE: an embedding model, whose loss is over the whole batch, and a
+question's choices, whose scores are compared), a step's texts go into one batch of as many rows as the fullest step
+needs (whole_plan). Training batches are then random: with no padding to save, pools sorted by length buy nothing.
 """
 
 from __future__ import annotations
@@ -28,6 +28,9 @@ from bertforge.runtime.devices import global_array
 from bertforge.train.packed_step import PackedBatch
 
 POOLINGS = ("cls", "mean", "max")  # the poolings with a packed form (heads.pool_packed)
+# Heads whose rows are N texts (an embedding model's anchor, positive and negatives; a question's choices): a
+# step's texts are packed whole into one batch (whole_plan, whole_batch), and evaluation computes each distinct text.
+WHOLE = ("embedding", "choice")
 MICRO_COST = 1  # what a micro-batch costs besides its rows (its call, its gradients' addition), in rows
 # How much more work packed steps may compute than padded ones and still be chosen: at equal work they ran 9% faster
 # on short texts (fewer, larger matrix products; one program to compile; docs/benchmarks.md).
@@ -36,7 +39,7 @@ MARGIN = 1.05
 
 def why_not(head: str, family: str, pooling: str) -> str:
     """Why a model cannot be fine-tuned on packed rows ('' when it can)."""
-    if head not in ("sequence", "embedding"):
+    if head not in ("sequence", *WHOLE):
         return f"the {head} head reads tokens, not texts"
     if family not in SEGMENT_FAMILIES:
         return f"{family} has no attention within packed texts"
@@ -79,8 +82,8 @@ def whole_plan(
     settings: dict[str, Any],
     shards: int,
 ) -> PackShape:
-    """As plan, for a loss over the whole batch (an embedding model's): each step's texts packed into one batch of
-    as many rows as the step that needs most. `lengths` (R, N): the tokens of each training row's N texts."""
+    """As plan, for rows of N texts (WHOLE): each step's texts packed into one batch of as many rows as the step
+    that needs most. `lengths` (R, N): the tokens of each training row's N texts."""
     s = settings
     length = _row_length(lengths, valid_lengths, limit, s["bucket"])
     rows = round_up(int(_needs(lengths, fold_rows, length, s).max()), shards)
@@ -183,8 +186,8 @@ def step_batch(encs: Sequence[Row], targets: np.ndarray, weights: np.ndarray, sh
 
 def whole_batch(rows: Sequence[EncodedChoices], targets: np.ndarray, weights: np.ndarray, shape: PackShape,
                 pad_id: int, size: int) -> dict[str, np.ndarray]:  # fmt: skip
-    """A training step of `size` rows of N texts each (an embedding model's) as one packed batch: text n of row r
-    in slot r * N + n; the rows past len(rows) are fillers, with no texts and weight 0."""
+    """A training step of `size` rows of N texts each (WHOLE) as one packed batch: text n of row r in slot
+    r * N + n; the rows past len(rows) are fillers, with no texts and weight 0."""
     encs = [e for row in rows for e in row.options]
     batch = fill(encs, first_fit([len(e.ids) for e in encs], shape.length), shape.length, shape.rows, shape.texts,
                  pad_id)  # fmt: skip
@@ -196,11 +199,11 @@ def whole_batch(rows: Sequence[EncodedChoices], targets: np.ndarray, weights: np
 
 def job_step_batch(job: Any, rows: np.ndarray) -> PackedBatch | dict[str, Any]:
     """A fine-tuning job's (finetune_fold.Job) training step of `rows` on its devices: packed micro-batches, or for
-    an embedding model one packed batch (whole_batch)."""
+    rows of N texts one packed batch (whole_batch)."""
     put = functools.partial(global_array, mesh=job.mesh)
     encs, pad_id = [job.encs[i] for i in rows], job.pre.tokenizer.pad_id
     targets, weights = job.table.targets[rows], job.table.weights[rows]
-    if job.task.HEAD == "embedding":
+    if job.task.HEAD in WHOLE:
         batch = whole_batch(encs, targets, weights, job.pack, pad_id, job.train.batch_size)
         return {k: put(v) for k, v in batch.items()}
     return step_batch(encs, targets, weights, job.pack, pad_id, put)

@@ -306,9 +306,12 @@ def compile_train_step(graphdef: Any, rest: Any, tx: Any, cfg: SequenceStepConfi
 
 def forward(model: nnx.Module, batch: dict[str, jax.Array]) -> jax.Array:
     """The model's outputs on a batch: padded rows, or rows that pack several texts (data/text_packing.py), whose
-    outputs are per text."""
+    outputs are per text, or per row of N texts (a question's choices: (B, N) scores) when the batch has B rows
+    of targets for N * B texts."""
     if "starts" in batch:
-        return model.packed(*(batch[k] for k in PACKED_INPUTS))
+        out = model.packed(*(batch[k] for k in PACKED_INPUTS))
+        rows = batch["weight"].shape[0] if "weight" in batch else out.shape[0]
+        return out if rows == out.shape[0] else out.reshape(rows, -1)
     return model(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"])
 
 
