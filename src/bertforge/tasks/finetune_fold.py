@@ -170,7 +170,7 @@ class Fold:
     lengths: np.ndarray  # the training rows' token counts
     valid_encs: list[Row]
     eval_encs: list[Row]  # what evaluation computes: valid_encs, or their distinct texts (embedding; packed choices)
-    eval_index: np.ndarray | None  # (R, N): where each validation row's texts are among eval_encs (embedding)
+    eval_index: np.ndarray | None  # (R, N): where each validation row's texts are among eval_encs, or None
     valid_records: np.ndarray  # (D,) the records of the validation rows: the rows, or the texts of their windows
     valid_targets: np.ndarray  # the records' targets
     per_epoch: int  # steps per epoch
