@@ -119,6 +119,18 @@ def test_packed_texts_have_the_outputs_they_have_alone(family, pooling):
     assert np.abs(np.asarray(alone)[:n]).max() > 0.05  # outputs far enough from zero to tell texts apart
 
 
+def same_gradients(graphdef, rest, params, padded: dict, packed: dict, step: SequenceStepConfig) -> float:
+    """Assert that the padded and the packed batch give the same loss and gradients (1e-5), gradients large
+    enough to tell a wrong one; returns the loss."""
+    g1, l1, _ = gradients(graphdef, rest, params, None, {k: jnp.asarray(v) for k, v in padded.items()}, step)
+    g2, l2, _ = gradients(graphdef, rest, params, None, {k: jnp.asarray(v) for k, v in packed.items()}, step)
+    assert float(l2) == pytest.approx(float(l1), abs=1e-5)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2), strict=True):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5, rtol=0)
+    assert max(float(jnp.abs(g).max()) for g in jax.tree.leaves(g1)) > 1e-3
+    return float(l1)
+
+
 @pytest.mark.parametrize("family", SEGMENT_FAMILIES)
 @pytest.mark.parametrize("loss", ["cross_entropy", "mse"])
 def test_packed_losses_and_gradients_equal_the_padded_ones(family, loss):
@@ -128,13 +140,7 @@ def test_packed_losses_and_gradients_equal_the_padded_ones(family, loss):
     rng = np.random.default_rng(3)
     targets = rng.normal(size=(12, 1)).astype(np.float32) if loss == "mse" else rng.integers(0, 3, 12).astype(np.int32)
     padded, packed = padded_and_packed(cfg, targets)
-    step = SequenceStepConfig(loss, dropout=False)
-    g1, l1, _ = gradients(graphdef, rest, params, None, {k: jnp.asarray(v) for k, v in padded.items()}, step)
-    g2, l2, _ = gradients(graphdef, rest, params, None, {k: jnp.asarray(v) for k, v in packed.items()}, step)
-    assert float(l2) == pytest.approx(float(l1), abs=1e-5)
-    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2), strict=True):
-        np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5, rtol=0)
-    assert max(float(jnp.abs(g).max()) for g in jax.tree.leaves(g1)) > 1e-3
+    same_gradients(graphdef, rest, params, padded, packed, SequenceStepConfig(loss, dropout=False))
 
 
 # ------------------------------------------------------------------------------------------------ embedding models
@@ -170,12 +176,7 @@ def test_packed_embedding_losses_and_gradients_equal_the_padded_ones(family, poo
     together = predict_step(graphdef, rest, params, {k: jnp.asarray(packed[k]) for k in PACKED_INPUTS})
     np.testing.assert_allclose(np.asarray(together).reshape(alone.shape)[:5], np.asarray(alone)[:5], atol=1e-5)
     step = SequenceStepConfig("mnrl", dropout=False, contrastive=ContrastiveConfig())
-    g1, l1, _ = gradients(graphdef, rest, params, None, {k: jnp.asarray(v) for k, v in padded.items()}, step)
-    g2, l2, _ = gradients(graphdef, rest, params, None, {k: jnp.asarray(v) for k, v in packed.items()}, step)
-    assert float(l2) == pytest.approx(float(l1), abs=1e-5) and float(l1) > 0.1
-    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2), strict=True):
-        np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5, rtol=0)
-    assert max(float(jnp.abs(g).max()) for g in jax.tree.leaves(g1)) > 1e-3
+    assert same_gradients(graphdef, rest, params, padded, packed, step) > 0.1
 
 
 @pytest.mark.parametrize("family", SEGMENT_FAMILIES)
@@ -189,13 +190,7 @@ def test_packed_choices_have_the_scores_losses_and_gradients_of_padded_ones(fami
     together = predict_step(graphdef, rest, params, {k: jnp.asarray(packed[k]) for k in PACKED_INPUTS})  # (3B, 1)
     np.testing.assert_allclose(np.asarray(together).reshape(alone.shape)[:5], np.asarray(alone)[:5], atol=1e-5)
     assert np.ptp(np.asarray(alone)[:5], axis=1).min() > 1e-3  # the choices' scores differ
-    step = SequenceStepConfig("cross_entropy", dropout=False)
-    g1, l1, _ = gradients(graphdef, rest, params, None, {k: jnp.asarray(v) for k, v in padded.items()}, step)
-    g2, l2, _ = gradients(graphdef, rest, params, None, {k: jnp.asarray(v) for k, v in packed.items()}, step)
-    assert float(l2) == pytest.approx(float(l1), abs=1e-5)
-    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2), strict=True):
-        np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5, rtol=0)
-    assert max(float(jnp.abs(g).max()) for g in jax.tree.leaves(g1)) > 1e-3
+    same_gradients(graphdef, rest, params, padded, packed, SequenceStepConfig("cross_entropy", dropout=False))
 
 
 def test_a_whole_plan_holds_the_fullest_step_and_evaluation_dedups_texts():
