@@ -39,8 +39,8 @@ class EmbedConfig:
     truncation: Truncation = "head"
     dtype: str = "float32"  # bfloat16 computes in bfloat16 (vectors are written as float32)
     quoted_tsv: bool = False
-    # Several texts to a row, in batches of one shape, where the family and pooling allow it; --no-pack: batches
-    # of texts of similar length, each padded to its longest.
+    # By default several texts to a row, in batches of one shape, where the family and pooling allow it;
+    # --no-pack: batches of texts of similar length, each padded to its longest.
     pack: bool = True
 
     def __post_init__(self) -> None:

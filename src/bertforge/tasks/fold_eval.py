@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -19,8 +19,9 @@ from bertforge.tasks.packed_batches import packed_outputs
 from bertforge.train.sequence_step import LOSSES, loss_count
 from bertforge.train.step import TrainState
 
-if TYPE_CHECKING:
-    from bertforge.tasks.finetune_fold import Fold, Job
+# `job` is a finetune_fold.Job and `fold` a finetune_fold.Fold; that module calls this one, so the types are not
+# imported here.
+Job = Fold = Any
 
 
 def eval_batch(job: Job) -> tuple[int, int]:
