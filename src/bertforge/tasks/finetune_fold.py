@@ -168,8 +168,7 @@ class Fold:
     train_rows: np.ndarray
     valid_rows: np.ndarray
     lengths: np.ndarray  # the training rows' token counts
-    valid_encs: list[Row]
-    eval_encs: list[Row]  # what evaluation computes: valid_encs, or their distinct texts (embedding; packed choices)
+    eval_encs: list[Row]  # what evaluation computes: the validation rows, or their distinct texts (eval_index)
     eval_index: np.ndarray | None  # (R, N): where each validation row's texts are among eval_encs, or None
     valid_records: np.ndarray  # (D,) the records of the validation rows: the rows, or the texts of their windows
     valid_targets: np.ndarray  # the records' targets
@@ -216,7 +215,6 @@ def _plan(job: Job, fold: int, fold_dir: Path, train_rows: np.ndarray, valid_row
         train_rows=train_rows,
         valid_rows=valid_rows,
         lengths=np.array([tokens_of(job.encs[i]) for i in train_rows]),
-        valid_encs=valid_encs,
         eval_encs=eval_encs,
         eval_index=eval_index,
         valid_records=records,
