@@ -371,9 +371,10 @@ def run_e2e(args: argparse.Namespace, results: Results) -> None:
     work.mkdir(parents=True)
     shape = PARTS["finetune-commonlit"].smoke if args.smoke else PARTS["finetune-commonlit"].full
     task = "sentences" if args.smoke else "commonlit"
-    ns = argparse.Namespace(task=task, model=args.model, data=args.data, fold=0, epochs=args.epochs,
-                            max_length=shape.seq, seed=0, bf16=True, cold_cache=False,
-                            device="gpu" if args.torch_device == "cuda" else "cpu")  # fmt: skip
+    device = "gpu" if args.torch_device == "cuda" else "cpu"
+    ns = e2e.parser().parse_args(["--task", task, "--fold", "0", "--epochs", str(args.epochs), "--max-length",
+                                  str(shape.seq), "--bf16", "--device", device])  # fmt: skip
+    ns.model, ns.data, ns.seed = args.model, args.data, 0
     if args.smoke:
         ns.model = tiny_model(work / "tiny-bert")
         ns.data = str(work / "sentences.csv")

@@ -288,7 +288,8 @@ def hf_worker(args: argparse.Namespace) -> None:
     (Path(args.hf_out) / "result.json").write_text(json.dumps(out) + "\n")
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    """This script's options; other benchmarks that run its systems take their defaults from here."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--task", choices=list(TASKS), default="sentences")
     p.add_argument("--compare", choices=["hf", "padding"], default="hf")
@@ -313,6 +314,11 @@ def main() -> None:
     p.add_argument(
         "--cold-cache", action="store_true", help="bertforge with an empty compile cache each run (a first run)"
     )
+    return p
+
+
+def main() -> None:
+    p = parser()
     args = p.parse_args()
     task = TASKS[args.task]
     args.model = args.model or _minilm()

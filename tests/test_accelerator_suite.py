@@ -41,6 +41,17 @@ def test_smoke_runs_every_part(tmp_path):
     assert (tmp_path / "out" / "accelerator_suite.png").stat().st_size > 0
 
 
+def test_smoke_fine_tuning_part_runs_both_systems(tmp_path):
+    """The part that drives finetune_end_to_end.py's systems: outside the slow marker, since that script's options
+    change more often than the step parts."""
+    rows = run_suite(tmp_path, "--smoke", "--parts", "finetune-commonlit")["rows"]
+    assert not [r for r in rows if "failed" in r], rows
+    runs = {r["run"]: r for r in rows}
+    assert set(runs) == {"first run", "warm cache", "Trainer"}
+    assert runs["warm cache"]["score"] == runs["first run"]["score"]
+    assert 0.0 < runs["Trainer"]["score"] <= 1.0
+
+
 def test_a_part_past_its_deadline_is_written_down_and_the_rest_kept(tmp_path):
     rows = run_suite(tmp_path, "--smoke", "--parts", "pretrain-bert", "--step-deadline", "1")["rows"]
     assert len(rows) == 2 and all(r["failed"].startswith(("stopped at", "not run")) for r in rows), rows
