@@ -23,7 +23,7 @@ from bertforge.model.load import load_run
 from bertforge.runs import RunLock
 from bertforge.tasks import pretrain
 from bertforge.train.metrics_log import read_metrics
-from bertforge.train.optim import OptimConfig, decay_mask, learning_rate
+from bertforge.train.optim import OptimConfig, decay_mask, learning_rate, warmup_fraction
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -298,6 +298,26 @@ def test_schedules_in_closed_form():
     assert learning_rate(wsd, 0.5, 0.1) == learning_rate(wsd, 0.8, 0.1) == 1.0  # the stable phase
     assert learning_rate(wsd, 0.85, 0.1) == pytest.approx(end + 0.9 * (1 - 0.25**0.5))  # 1 - sqrt of the decay
     assert learning_rate(wsd, 1.0, 0.1) == pytest.approx(end)
+
+
+@pytest.mark.parametrize("steps,ratio", [(3, 0.1), (30, 0.1), (426, 0.1), (7, 0.5), (100, 0.06), (50, 0.0)])
+def test_step_schedules_are_the_trainers(steps, ratio):
+    """Step by step, the learning rate a fine-tuning run of `steps` steps takes (progress step/steps, as the loop
+    gives it) is what transformers' Trainer takes with the same warmup_ratio: the warmup rounded up to whole steps."""
+    from transformers import TrainingArguments
+    from transformers.optimization import get_cosine_schedule_with_warmup, get_linear_schedule_with_warmup
+
+    torch = pytest.importorskip("torch")
+    warmup = TrainingArguments(output_dir="unused", warmup_steps=ratio, use_cpu=True).get_warmup_steps(steps)
+    for schedule, make in (("linear", get_linear_schedule_with_warmup), ("cosine", get_cosine_schedule_with_warmup)):
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=2e-5)
+        theirs = make(optimizer, num_warmup_steps=warmup, num_training_steps=steps)
+        cfg = OptimConfig(lr=2e-5, schedule=schedule, warmup_fraction=ratio)
+        for step in range(steps):
+            ours = learning_rate(cfg, step / steps, warmup_fraction(cfg, steps))
+            assert ours == pytest.approx(theirs.get_last_lr()[0], rel=1e-9, abs=1e-15), (schedule, step)
+            optimizer.step()
+            theirs.step()
 
 
 @pytest.mark.slow  # `make slow`

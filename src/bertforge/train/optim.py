@@ -79,9 +79,13 @@ def learning_rate(cfg: OptimConfig, progress: float, warmup: float) -> float:
 
 
 def warmup_fraction(cfg: OptimConfig, total_steps: int | None) -> float:
-    if cfg.warmup_steps and total_steps:
-        return min(cfg.warmup_steps / total_steps, 1.0)
-    return cfg.warmup_fraction
+    """The share of training spent warming up. Where the run's step count is known it is whole steps, the fraction's
+    rounded up as transformers' Trainer rounds `warmup_ratio`: a run of a few steps (a large batch on a small set)
+    then takes the Trainer's learning rate at every step, where an unrounded 0.3 of a step would lower them all."""
+    if not total_steps:
+        return cfg.warmup_fraction
+    steps = cfg.warmup_steps or math.ceil(total_steps * cfg.warmup_fraction)
+    return min(steps / total_steps, 1.0)
 
 
 def _names(path: tuple) -> list[str]:
