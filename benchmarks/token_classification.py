@@ -98,6 +98,7 @@ def split(data: Path, work: Path, fraction: float) -> dict[str, int]:
 # -------------------------------------------------------------------------------------------------- bertforge
 def _bertforge(args: argparse.Namespace, work: Path, out: Path) -> dict:
     cmd = bertforge_command(args, "token-classification", work / "train.json", work / "valid.json", out)
+    cmd += [] if args.pack == "auto" else [f"--data.pack={args.pack}"]
     summary, times = run_bertforge(cmd, out)
     return {"score": summary["out_of_fold"]["f1"], **times}
 
@@ -244,6 +245,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seeds", type=int, nargs="+", default=[0], help="training seeds, one run of each system per seed")
     p.add_argument("--device", choices=["cpu", "gpu"], default="cpu", help="where the Trainer runs")
     p.add_argument("--bf16", action="store_true", help="bf16 compute in both systems")
+    p.add_argument("--pack", choices=["auto", "true", "false"], default="auto", help="bertforge's data.pack")
     p.add_argument("--work", default=str(ROOT / "runs/bench-token-classification"), help="split and run folders")
     p.add_argument("--render", action="store_true", help="only redraw the table and plot from the saved results")
     p.add_argument("--keep", action="store_true", help="add to the saved results, replacing only the seeds run now")
@@ -260,6 +262,7 @@ def _name(args: argparse.Namespace, default_model: bool) -> str:
         value = getattr(args, key)
         name += "" if value == DEFAULTS[key] else f"_{short}{value:g}"
     name += "" if args.train_fraction == 1.0 else f"_frac{args.train_fraction:g}"
+    name += "" if args.pack == "auto" else f"_pack{args.pack}"
     return name + ("_bf16" if args.bf16 else "") + ("_gpu" if args.device == "gpu" else "")
 
 

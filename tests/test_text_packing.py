@@ -3,6 +3,7 @@ and a packed k-fold run compiles one training program."""
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 import functools
 import json
@@ -20,6 +21,8 @@ from test_embedding import pair_rows, write_rows
 from test_finetune import _refused, river_rows, write_table
 from test_multiple_choice import choice_records
 from test_multiple_choice import write_csv as write_choices
+from test_question_answering import _squad
+from test_token_classification import tagged_sentences, write_jsonl
 
 from bertforge.data.batching import EncodedChoices, epoch_batches, pad_batch
 from bertforge.data.text_packing import PACKED_INPUTS, PackShape, eval_batches, first_fit, micro_batches, pack
@@ -34,7 +37,13 @@ from bertforge.tokenizer.load import Encoded
 from bertforge.train.contrastive import ContrastiveConfig
 from bertforge.train.optim import OptimConfig, make_optimizer
 from bertforge.train.packed_step import compile_packed_step
-from bertforge.train.sequence_step import SequenceStepConfig, compile_train_step, gradients, predict_step
+from bertforge.train.sequence_step import (
+    SequenceStepConfig,
+    compile_train_step,
+    gradients,
+    predict_step,
+    summed_gradients,
+)
 from bertforge.train.step import new_train_state
 
 LENGTHS = [3, 17, 9, 30, 5, 12, 2, 21, 7, 16]  # mixed lengths, one of them the row's whole length
@@ -193,6 +202,71 @@ def test_packed_choices_have_the_scores_losses_and_gradients_of_padded_ones(fami
     same_gradients(graphdef, rest, params, padded, packed, SequenceStepConfig("cross_entropy", dropout=False))
 
 
+# ------------------------------------------------------------------------------------------------ token heads
+def token_targets(head: str, lengths: list[int], seed: int = 5) -> np.ndarray:
+    """Targets of texts of `lengths` and two fillers: for 'token' (B, 32, 2), a label at about two tokens in three
+    (-100 elsewhere and past the text) and the text's index where it owns the token (-1 elsewhere); for 'span'
+    (B, 4), an answer's first and last token inside the text, the row and the text's tokens."""
+    rng = np.random.default_rng(seed)
+    b = len(lengths) + 2
+    if head == "span":
+        first = np.array([rng.integers(0, n) for n in lengths])
+        last = np.array([rng.integers(f, n) for f, n in zip(first, lengths, strict=True)])
+        spans = np.stack([first, last, np.arange(len(lengths)), lengths], 1)
+        return np.r_[spans, np.zeros((2, 4), np.int64)].astype(np.int32)
+    out = np.full((b, 32, 2), -100, np.int32)
+    out[..., 1] = -1
+    for i, n in enumerate(lengths):
+        labelled = rng.random(n) < 0.67
+        out[i, :n, 0] = np.where(labelled, rng.integers(0, 5, n), -100)
+        out[i, :n, 1] = np.where(labelled, i, -1)
+    return out
+
+
+@pytest.mark.parametrize("family", SEGMENT_FAMILIES)
+@pytest.mark.parametrize("head", packed_batches.TOKEN_HEADS)
+def test_packed_token_heads_have_the_outputs_losses_and_gradients_of_padded_ones(family, head):
+    """Texts of mixed lengths and two fillers packed into rows: each text's token logits (entities' labels, or an
+    answer's start and end) read from its own first token, its loss (over the labelled tokens, or the texts) and
+    its gradients, as the padded batch gives them; zeros past each text's last token."""
+    cfg = family_config(family, "cls")
+    graphdef, params, rest = nnx.split(build(cfg, head, num_labels=5, seed=0), nnx.Param, ...)
+    padded, packed = padded_and_packed(cfg, token_targets(head, LENGTHS))
+    alone = np.asarray(predict_step(graphdef, rest, params, {k: jnp.asarray(padded[k]) for k in INPUTS}))
+    together = np.asarray(predict_step(graphdef, rest, params, {k: jnp.asarray(packed[k]) for k in PACKED_INPUTS}))
+    assert together.shape == alone.shape
+    for i, n in enumerate(LENGTHS):
+        np.testing.assert_allclose(together[i, :n], alone[i, :n], atol=1e-5, rtol=0)
+        assert not together[i, n:].any()
+    assert np.abs(alone[: len(LENGTHS)]).max() > 0.05
+    loss = "token_cross_entropy" if head == "token" else "span_cross_entropy"
+    assert same_gradients(graphdef, rest, params, padded, packed, SequenceStepConfig(loss, dropout=False)) > 0.1
+
+
+@pytest.mark.parametrize("rows", [1, 2, 6])
+def test_a_packed_token_step_averages_over_the_step_s_labelled_tokens(rows):
+    """In micro-batches of `rows` rows, each micro-batch's token loss is over the whole step's labelled tokens:
+    the step's loss and gradients are the padded step's."""
+    cfg = family_config("bert", "cls")
+    graphdef, params, rest = nnx.split(build(cfg, "token", num_labels=5, seed=0), nnx.Param, ...)
+    targets = token_targets("token", LENGTHS)
+    padded, _ = padded_and_packed(cfg, targets)
+    shape = PackShape(length=32, rows=rows, texts=12, eval_rows=1, eval_texts=1)
+    n = len(LENGTHS)
+    packed = step_batch(texts(LENGTHS), targets[:n], np.ones(n, np.float32), shape, cfg.pad_token_id, jnp.asarray,
+                        per_token=True)  # fmt: skip
+    assert packed.count == (targets[:n, :, 0] >= 0).sum()
+    step = SequenceStepConfig("token_cross_entropy", dropout=False)
+    g1, l1, _ = gradients(graphdef, rest, params, None, {k: jnp.asarray(v) for k, v in padded.items()}, step)
+    total = None
+    for micro in packed.micro:
+        g, part = summed_gradients(graphdef, rest, params, None, micro, step, None, count=jnp.float32(packed.count))
+        total = (g, part) if total is None else (jax.tree.map(jnp.add, total[0], g), total[1] + part)
+    assert float(total[1]) == pytest.approx(float(l1), abs=1e-5)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(total[0]), strict=True):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5, rtol=0)
+
+
 def test_a_whole_plan_holds_the_fullest_step_and_evaluation_dedups_texts():
     lengths = np.random.default_rng(8).integers(3, 60, (50, 2))
     settings = dict(batch_size=8, grad_accum=1, epochs=2, seed=0, eval_batch_size=16, bucket=8)
@@ -263,7 +337,9 @@ def test_auto_packs_where_packed_steps_compute_less_than_the_ladder():
         shape = packed_batches.plan(lengths, lengths[:0], [np.arange(64)], 64, settings, shards=1)
         packed = packed_batches.packed_work(shape, 64, 16, model)
         padded = packed_batches.ladder_work(lengths, 16, 64, 8, rungs, 0, model)
-        assert (packed <= packed_batches.MARGIN * padded) == packs, (packed, padded, shape)
+        assert (packed <= packed_batches.margin("cpu") * padded) == packs, (packed, padded, shape)
+        # On an accelerator, where each length the ladder adds costs a compilation of seconds, auto packs both.
+        assert packed <= packed_batches.margin("gpu") * padded and packed <= packed_batches.margin("tpu") * padded
 
 
 def test_auto_packs_pairs_of_a_short_query_and_a_long_passage():
@@ -286,7 +362,9 @@ def test_packing_is_offered_only_where_it_is_exact():
     assert "deberta-v2" not in SEGMENT_FAMILIES
     assert "no attention within packed texts" in packed_batches.why_not("sequence", "deberta-v2", "cls")
     assert "no packed form" in packed_batches.why_not("sequence", "bert", "attention")
-    assert "reads tokens" in packed_batches.why_not("token", "bert", "cls")
+    assert packed_batches.why_not("token", "bert", "attention") == packed_batches.why_not("span", "roberta", "x") == ""
+    assert "no attention within packed texts" in packed_batches.why_not("token", "deberta-v2", "cls")
+    assert "has no packed form" in packed_batches.why_not("mlm", "bert", "cls")
     assert packed_batches.why_not("embedding", "modernbert", "mean") == ""
     assert packed_batches.why_not("choice", "electra", "cls") == ""
 
@@ -344,6 +422,35 @@ def test_a_packed_multiple_choice_run_compiles_one_training_and_one_evaluation_p
     assert _total(counts, "compile_requests_use_cache", "jit(predict_step)") == 1, counts
     summary = json.loads((tmp_path / "packed-choices" / "summary.json").read_text())
     assert len(summary["folds"]) == 2 and all(0 <= f["score"] <= 1 for f in summary["folds"]), summary
+
+
+def test_a_packed_token_classification_run_compiles_one_training_and_one_evaluation_program(model_dir, tmp_path):
+    data = write_jsonl(tmp_path / "tagged.jsonl", tagged_sentences(48, seed=2))
+    counts, log = _compiles(tmp_path, "packed-tokens", model_dir, data, "--task", "token-classification",
+                            "--data.pack=true")  # fmt: skip
+    assert "texts packed into micro-batches of" in log, log
+    assert _total(counts, "compile_requests_use_cache", "jit(add_gradients)") == 1, counts
+    assert _total(counts, "compile_requests_use_cache", "jit(gradients)") == 0, counts
+    assert _total(counts, "compile_requests_use_cache", "jit(predict_step)") == 1, counts
+    summary = json.loads((tmp_path / "packed-tokens" / "summary.json").read_text())
+    assert len(summary["folds"]) == 2 and "f1" in summary["out_of_fold"], summary
+
+
+def test_a_packed_question_answering_run_compiles_one_program_and_answers_from_the_context(model_dir, tmp_path):
+    data = _squad(tmp_path / "squad.json", 24, seed=3)
+    counts, log = _compiles(tmp_path, "packed-qa", model_dir, data, "--task", "question-answering", "--stride", "8",
+                            "--data.pack=true")  # fmt: skip
+    assert "texts packed into micro-batches of" in log, log
+    assert _total(counts, "compile_requests_use_cache", "jit(add_gradients)") == 1, counts
+    assert _total(counts, "compile_requests_use_cache", "jit(predict_step)") == 1, counts
+    contexts = {qa["id"]: p["context"] for a in json.loads(data.read_text())["data"] for p in a["paragraphs"]
+                for qa in p["qas"]}  # fmt: skip
+    with open(tmp_path / "packed-qa" / "oof.csv", newline="", encoding="utf-8") as fh:
+        oof = list(csv.DictReader(fh))
+    assert len(oof) == 24
+    for r in oof:
+        start = int(r["start"])
+        assert contexts[r["id"]][start : start + len(r["prediction"])] == r["prediction"] and r["prediction"]
 
 
 def test_packing_asked_where_it_is_not_exact_is_one_line(wordpiece_dir, tmp_path, capsys):

@@ -255,7 +255,8 @@ def token_reference(model_dir, tmp_path_factory) -> dict:
 
     root = tmp_path_factory.mktemp("tokens")
     data = write_jsonl(root / "train.jsonl", tagged_sentences(64, seed=5))
-    return task_reference(model_dir, root, data, "--task", "token-classification", "--max-length", "16")
+    return task_reference(model_dir, root, data, "--task", "token-classification", "--max-length", "16",
+                          "--data.pack=true")  # fmt: skip
 
 
 @pytest.mark.parametrize("seed", seeds(fast=0))
@@ -271,7 +272,8 @@ def qa_reference(model_dir, tmp_path_factory) -> dict:
 
     root = tmp_path_factory.mktemp("questions")
     data = _squad(root / "train.json", 32, seed=5)
-    return task_reference(model_dir, root, data, "--task", "question-answering", "--max-length", "32", "--stride", "8")
+    return task_reference(model_dir, root, data, "--task", "question-answering", "--max-length", "32", "--stride", "8",
+                          "--data.pack=true")  # fmt: skip
 
 
 @pytest.mark.parametrize("seed", seeds(fast=0))

@@ -38,8 +38,9 @@ class TableConfig:
     # similar length. 1: plain random batches, each still padded to the shortest length that holds it.
     pool: int = POOL
     # Sequence tasks: several texts packed into each row, attending within each (tasks/packed_batches.py): one
-    # compiled shape for training and one for evaluation. None (auto): where it is exact and computes less than
-    # the ladder's padded batches; true: wherever it is exact (else an error); false: never.
+    # compiled shape for training and one for evaluation. None (auto): where it is exact, and on a CPU only where
+    # it computes at most 5% more than the ladder's padded batches; true: wherever it is exact (else an error);
+    # false: never.
     pack: bool | None = None
     quoted_tsv: bool = False  # .tsv tables written with CSV quoting; by default a TSV has none and '"' is text
     # Token classification: its files' format (conll, jsonl or json; default: from the file name), the tag scheme

@@ -258,6 +258,19 @@ class TokenClassifier(Labelled):
             attention_mask = jnp.ones_like(input_ids)
         return self.head(self.encoder(input_ids, attention_mask, token_type_ids))
 
+    def packed(
+        self, input_ids: jax.Array, token_type_ids: jax.Array, segment_ids: jax.Array, texts: jax.Array,
+        starts: jax.Array,
+    ) -> jax.Array:  # fmt: skip
+        """Rows that pack several texts (data/text_packing.py): (R, T) ids, types, segment ids and texts, (N,)
+        starts -> (N, T, L) float32, text n's logits at its own tokens as __call__ gives them for the text alone,
+        counted from its first token, and zeros past its last."""
+        logits = self.head(self.encoder(input_ids, None, token_type_ids, False, segment_ids))  # (R, T, L)
+        r, t, _ = logits.shape
+        at = jnp.minimum(starts[:, None] + jnp.arange(t), r * t - 1)  # (N, T) flat indices from each text's start
+        own = texts.reshape(-1)[at] == jnp.arange(starts.shape[0])[:, None]  # (N, T): the text's own tokens
+        return jnp.where(own[..., None], logits.reshape(r * t, -1)[at], 0.0)
+
 
 class SpanClassifier(TokenClassifier):
     """Extractive question answering: each token's start and end logits (B, T, 2), as transformers'

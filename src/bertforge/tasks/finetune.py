@@ -310,8 +310,8 @@ def _pack_shape(cfg: FinetuneConfig, pre: Pretrained, table: Table, valid: Table
     model = pre.model.config
     if cfg.data.pack is False or _not_packed(cfg, pre):
         return None
-    t = cfg.train
-    whole = TASKS[cfg.head.task].HEAD in packed_batches.WHOLE  # rows of N texts, packed a whole step at once
+    t, head = cfg.train, TASKS[cfg.head.task].HEAD
+    whole = head in packed_batches.WHOLE  # rows of N texts, packed a whole step at once
     lengths, valid_lengths = (_text_lengths(x, whole) for x in (table, valid))
     per_row = lengths.shape[1] if whole else 1
     settings = {"batch_size": t.batch_size, "grad_accum": t.grad_accum, "epochs": t.epochs, "seed": t.seed,
@@ -322,9 +322,10 @@ def _pack_shape(cfg: FinetuneConfig, pre: Pretrained, table: Table, valid: Table
     if cfg.data.pack:
         return shape
     longest = lengths.max(axis=1) if whole else lengths
-    padded = packed_batches.ladder_work(longest, t.batch_size, limit, cfg.data.bucket, rungs, t.seed, model, per_row)
-    packed = packed_batches.packed_work(shape, len(lengths), t.batch_size, model, per_row)
-    return shape if packed <= packed_batches.MARGIN * padded else None
+    padded = packed_batches.ladder_work(longest, t.batch_size, limit, cfg.data.bucket, rungs, t.seed, model, per_row,
+                                        head)  # fmt: skip
+    packed = packed_batches.packed_work(shape, len(lengths), t.batch_size, model, per_row, head)
+    return shape if packed <= packed_batches.margin(jax.default_backend()) * padded else None
 
 
 def _text_lengths(table: Table | None, whole: bool) -> np.ndarray:

@@ -56,7 +56,7 @@ def _valid_outputs(job: Job, fold: Fold, params: Any) -> np.ndarray:
 
     pad_id, (size, _) = job.pre.tokenizer.pad_id, eval_batch(job)
     if job.pack is not None:
-        outputs = packed_outputs(forward, fold.eval_encs, job.pack, pad_id)
+        outputs = packed_outputs(forward, fold.eval_encs, job.pack, pad_id, limit=job.limit)
     else:
         outputs = outputs_by_length(forward, fold.eval_encs, pad_id, size, job.limit, job.bucket, rungs=job.rungs)
     if fold.eval_index is not None:  # each validation row's N vectors, flat

@@ -3,8 +3,9 @@ validation outputs of packed batches.
 
 A run packs (`data.pack`) where packing is exact: a sequence, choice or embedding head pooling by cls, mean or
 max, on a family whose encoder attends within each packed text (segment ids; not DeBERTa). By default (auto) it
-packs only where the packed steps compute at most MARGIN times what batches padded to the length ladder would (both
-compute only the first token of each text in the last layer when the head reads only that). A step's texts go into
+packs wherever it is exact on an accelerator, and on a CPU only where the packed steps compute at most MARGIN times
+what batches padded to the length ladder would (both compute only the first token of each text in the last layer
+when the head reads only that). A step's texts go into
 as many micro-batches of the run's one shape as they need (train/packed_step.py), so every step of every fold runs
 the same programs. Where a row is N texts (WHOLE: an embedding model, whose loss is over the whole batch, and a
 question's choices, whose scores are compared), a step's texts go into one batch of as many rows as the fullest step
@@ -26,24 +27,37 @@ from bertforge.model.architectures import SEGMENT_FAMILIES
 from bertforge.model.config import ModelConfig
 from bertforge.runtime.devices import global_array
 from bertforge.train.packed_step import PackedBatch
+from bertforge.train.sequence_step import PER_TOKEN
 
 POOLINGS = ("cls", "mean", "max")  # the poolings with a packed form (heads.pool_packed)
 # Heads whose rows are N texts (an embedding model's anchor, positive and negatives; a question's choices): a
 # step's texts are packed whole into one batch (whole_plan, whole_batch), and evaluation computes each distinct text.
 WHOLE = ("embedding", "choice")
+# Heads that read every token (entities, answer spans): a packed text's outputs are gathered from its row back to
+# (T, L) from its first token (heads.TokenClassifier.packed), so its targets and scores are the padded text's.
+TOKEN_HEADS = ("token", "span")
 MICRO_COST = 1  # what a micro-batch costs besides its rows (its call, its gradients' addition), in rows
 # How much more work packed steps may compute than padded ones and still be chosen: at equal work they ran 9% faster
 # on short texts (fewer, larger matrix products; one program to compile; docs/benchmarks.md).
 MARGIN = 1.05
 
 
+def margin(platform: str) -> float:
+    """How much more work auto packing may compute than the ladder's padded batches, on `platform` (jax's name).
+    On an accelerator a fine-tuning step takes milliseconds and each length compiled takes seconds (CommonLit on an
+    H200: about 55 of a first run's 82 s went to the ladder's six lengths and their evaluation programs, in
+    docs/gpu.md), so there auto packs wherever packing is exact; on a CPU, where steps are long and compiling
+    short, only within MARGIN."""
+    return MARGIN if platform == "cpu" else math.inf
+
+
 def why_not(head: str, family: str, pooling: str) -> str:
     """Why a model cannot be fine-tuned on packed rows ('' when it can)."""
-    if head not in ("sequence", *WHOLE):
-        return f"the {head} head reads tokens, not texts"
+    if head not in ("sequence", *TOKEN_HEADS, *WHOLE):
+        return f"the {head} head has no packed form"
     if family not in SEGMENT_FAMILIES:
         return f"{family} has no attention within packed texts"
-    if pooling not in POOLINGS:
+    if head not in TOKEN_HEADS and pooling not in POOLINGS:
         return f"pooling {pooling} has no packed form"
     return ""
 
@@ -121,11 +135,11 @@ def _eval_shape(lengths: np.ndarray, valid_lengths: np.ndarray, length: int, s: 
 
 
 def ladder_work(lengths: np.ndarray, batch_size: int, limit: int, bucket: int, rungs: tuple[int, ...], seed: int,
-                model: ModelConfig, per_row: int = 1) -> int:  # fmt: skip
+                model: ModelConfig, per_row: int = 1, head: str = "sequence") -> int:  # fmt: skip
     """Token-layers an epoch of batches padded to the ladder computes: every layer of every padded token, but
-    only the first token of each text in the last layer when the head reads only that (cls pooling). `per_row`:
-    the texts of a row (an embedding model's pair), each padded to the batch's length."""
-    first_only = model.pooling == "cls"
+    only the first token of each text in the last layer when the head reads only that (cls pooling, not a token
+    head). `per_row`: the texts of a row (an embedding model's pair), each padded to the batch's length."""
+    first_only = model.pooling == "cls" and head not in TOKEN_HEADS
     texts = batch_size * per_row
     work = 0
     for b in epoch_batches(lengths, batch_size, max(bucket, 1), seed, 0):
@@ -134,27 +148,30 @@ def ladder_work(lengths: np.ndarray, batch_size: int, limit: int, bucket: int, r
     return work
 
 
-def packed_work(shape: PackShape, rows: int, batch_size: int, model: ModelConfig, per_row: int = 1) -> float:
+def packed_work(shape: PackShape, rows: int, batch_size: int, model: ModelConfig, per_row: int = 1,
+                head: str = "sequence") -> float:  # fmt: skip
     """Token-layers an epoch of packed steps of `rows` rows of data computes: every layer of every token of their
-    packed rows, but only each text's first token in the last layer when the head reads only that (cls pooling)."""
-    first_only = model.pooling == "cls"
+    packed rows, but only each text's first token in the last layer when the head reads only that (as
+    ladder_work)."""
+    first_only = model.pooling == "cls" and head not in TOKEN_HEADS
     tokens = shape.mean_rows * shape.length
     texts = batch_size * per_row
     return math.ceil(rows / batch_size) * (tokens * (model.num_layers - first_only) + texts * first_only)
 
 
 def packed_outputs(forward: Callable[[dict[str, np.ndarray]], Any], encs: Sequence[Row], shape: PackShape,
-                   pad_id: int, bar: Any = None) -> np.ndarray:  # fmt: skip
-    """forward(packed batch) -> (N, L) over all encodings, in input order, in batches of shape.eval_rows rows.
-    `bar`, a tqdm progress bar, advances by the texts done."""
+                   pad_id: int, bar: Any = None, limit: int = 0) -> np.ndarray:  # fmt: skip
+    """forward(packed batch) -> (N, L) over all encodings, in input order, in batches of shape.eval_rows rows; a
+    token model's (N, T, L) as (N, limit, L), zeros past T, as model_outputs.outputs_by_length keeps them. `bar`, a
+    tqdm progress bar, advances by the texts done."""
     out: np.ndarray | None = None
     lengths = np.array([tokens_of(e) for e in encs])
     for idx in eval_batches(lengths, shape.length, shape.eval_rows, shape.eval_texts):
         batch = pack([encs[i] for i in idx], shape.length, shape.eval_rows, shape.eval_texts, pad_id)  # type: ignore[misc]
         values = np.asarray(forward(batch))[: len(idx)]
         if out is None:
-            out = np.zeros((len(encs), values.shape[-1]), np.float32)
-        out[idx] = values
+            out = np.zeros((len(encs), *((limit,) if values.ndim == 3 else ()), values.shape[-1]), np.float32)
+        out[idx, : values.shape[1]] = values
         if bar is not None:
             bar.update(len(idx))
     assert out is not None
@@ -171,9 +188,10 @@ def inference_shape(lengths: np.ndarray, batch_size: int, limit: int) -> PackSha
 
 
 def step_batch(encs: Sequence[Row], targets: np.ndarray, weights: np.ndarray, shape: PackShape, pad_id: int,
-               put: Callable[[np.ndarray], Any]) -> PackedBatch:  # fmt: skip
+               put: Callable[[np.ndarray], Any], per_token: bool = False) -> PackedBatch:  # fmt: skip
     """A training step's texts, with their targets and weights, as packed micro-batches put on the devices by
-    `put`; a step of no texts is one micro-batch of fillers."""
+    `put`; a step of no texts is one micro-batch of fillers. `per_token`: the loss is averaged over the step's
+    labelled tokens (sequence_step.loss_count), not its texts."""
     micro = []
     for batch, held in micro_batches(encs, shape, pad_id) or [(fill([], [], shape.length, shape.rows, shape.texts,
                                                                         pad_id), [])]:  # fmt: skip
@@ -181,7 +199,9 @@ def step_batch(encs: Sequence[Row], targets: np.ndarray, weights: np.ndarray, sh
         w = np.zeros(shape.texts, np.float32)
         t[: len(held)], w[: len(held)] = targets[held], weights[held]
         micro.append({k: put(v) for k, v in {**batch, "targets": t, "weight": w}.items()})
-    return PackedBatch(micro, float((weights > 0).sum()))
+    real = weights > 0
+    count = ((targets[..., 0] >= 0) & real[:, None]).sum() if per_token else real.sum()
+    return PackedBatch(micro, float(count))
 
 
 def whole_batch(rows: Sequence[EncodedChoices], targets: np.ndarray, weights: np.ndarray, shape: PackShape,
@@ -206,7 +226,7 @@ def job_step_batch(job: Any, rows: np.ndarray) -> PackedBatch | dict[str, Any]:
     if job.task.HEAD in WHOLE:
         batch = whole_batch(encs, targets, weights, job.pack, pad_id, job.train.batch_size)
         return {k: put(v) for k, v in batch.items()}
-    return step_batch(encs, targets, weights, job.pack, pad_id, put)
+    return step_batch(encs, targets, weights, job.pack, pad_id, put, per_token=job.loss in PER_TOKEN)
 
 
 def packed_ahead(job: Any, state: Any, key: Any) -> None:
