@@ -413,27 +413,27 @@ def test_a_packed_embedding_run_compiles_one_training_and_one_evaluation_program
     assert len(summary["folds"]) == 2 and all(0 < f["score"] <= 1 for f in summary["folds"]), summary
 
 
-def test_a_packed_multiple_choice_run_compiles_one_training_and_one_evaluation_program(model_dir, tmp_path):
-    data = write_choices(tmp_path / "choices.csv", choice_records(48, seed=4))
-    counts, log = _compiles(tmp_path, "packed-choices", model_dir, data, "--task", "multiple-choice",
-                            "--data.pack=true")  # fmt: skip
-    assert "each step's texts packed into one batch of" in log, log
-    assert _total(counts, "compile_requests_use_cache", "jit(gradients)") == 1, counts
+# A task's data, what its log says of its batches, and its training program: one for a step packed whole (WHOLE),
+# or one that adds each micro-batch's gradients.
+PACKED_RUNS = {
+    "multiple-choice": (lambda d: write_choices(d / "choices.csv", choice_records(48, seed=4)),
+                        "each step's texts packed into one batch of", "jit(gradients)"),
+    "token-classification": (lambda d: write_jsonl(d / "tagged.jsonl", tagged_sentences(48, seed=2)),
+                             "texts packed into micro-batches of", "jit(add_gradients)"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("task", PACKED_RUNS)
+def test_a_packed_k_fold_run_of_a_task_compiles_one_training_and_one_evaluation_program(task, model_dir, tmp_path):
+    write, line, program = PACKED_RUNS[task]
+    counts, log = _compiles(tmp_path, task, model_dir, write(tmp_path), "--task", task, "--data.pack=true")
+    assert line in log, log
+    other = ({"jit(gradients)", "jit(add_gradients)"} - {program}).pop()
+    assert _total(counts, "compile_requests_use_cache", program) == 1, counts
+    assert _total(counts, "compile_requests_use_cache", other) == 0, counts
     assert _total(counts, "compile_requests_use_cache", "jit(predict_step)") == 1, counts
-    summary = json.loads((tmp_path / "packed-choices" / "summary.json").read_text())
+    summary = json.loads((tmp_path / task / "summary.json").read_text())
     assert len(summary["folds"]) == 2 and all(0 <= f["score"] <= 1 for f in summary["folds"]), summary
-
-
-def test_a_packed_token_classification_run_compiles_one_training_and_one_evaluation_program(model_dir, tmp_path):
-    data = write_jsonl(tmp_path / "tagged.jsonl", tagged_sentences(48, seed=2))
-    counts, log = _compiles(tmp_path, "packed-tokens", model_dir, data, "--task", "token-classification",
-                            "--data.pack=true")  # fmt: skip
-    assert "texts packed into micro-batches of" in log, log
-    assert _total(counts, "compile_requests_use_cache", "jit(add_gradients)") == 1, counts
-    assert _total(counts, "compile_requests_use_cache", "jit(gradients)") == 0, counts
-    assert _total(counts, "compile_requests_use_cache", "jit(predict_step)") == 1, counts
-    summary = json.loads((tmp_path / "packed-tokens" / "summary.json").read_text())
-    assert len(summary["folds"]) == 2 and "f1" in summary["out_of_fold"], summary
 
 
 def test_a_packed_question_answering_run_compiles_one_program_and_answers_from_the_context(model_dir, tmp_path):
