@@ -37,8 +37,8 @@ class TableConfig:
     # Training batches per pool of shuffled rows sorted by length (batching.epoch_batches): a batch holds texts of
     # similar length. 1: plain random batches, each still padded to the shortest length that holds it.
     pool: int = POOL
-    # Sequence tasks: several texts packed into each row, attending within each (tasks/packed_batches.py): one
-    # compiled shape for training and one for evaluation. None (auto): where it is exact, and on a CPU only where
+    # On every family but DeBERTa: several texts packed into each row, attending within each (packed_batches.py):
+    # one compiled shape for training and one for evaluation. None (auto): where it is exact, and on a CPU only where
     # it computes at most 5% more than the ladder's padded batches; true: wherever it is exact (else an error);
     # false: never.
     pack: bool | None = None

@@ -1,15 +1,15 @@
 """Fine-tuning with packed rows (data/text_packing.py): whether a run packs, the one shape its batches take, and the
 validation outputs of packed batches.
 
-A run packs (`data.pack`) where packing is exact: a sequence, choice or embedding head pooling by cls, mean or
-max, on a family whose encoder attends within each packed text (segment ids; not DeBERTa). By default (auto) it
-packs wherever it is exact on an accelerator, and on a CPU only where the packed steps compute at most MARGIN times
-what batches padded to the length ladder would (both compute only the first token of each text in the last layer
-when the head reads only that). A step's texts go into
-as many micro-batches of the run's one shape as they need (train/packed_step.py), so every step of every fold runs
-the same programs. Where a row is N texts (WHOLE: an embedding model, whose loss is over the whole batch, and a
-question's choices, whose scores are compared), a step's texts go into one batch of as many rows as the fullest step
-needs (whole_plan). Training batches are then random: with no padding to save, pools sorted by length buy nothing.
+A run packs (`data.pack`) where packing is exact: a sequence, choice or embedding head pooling by cls, mean or max,
+or a token or span head, on a family whose encoder attends within each packed text (segment ids; not DeBERTa). By
+default (auto) it packs wherever it is exact on an accelerator, and on a CPU only where the packed steps compute at
+most MARGIN times what batches padded to the length ladder would (both compute only the first token of each text in
+the last layer when the head reads only that). A step's texts go into as many micro-batches of the run's one shape
+as they need (train/packed_step.py), so every step of every fold runs the same programs. Where a row is N texts
+(WHOLE: an embedding model, whose loss is over the whole batch, and a question's choices, whose scores are
+compared), a step's texts go into one batch of as many rows as the fullest step needs (whole_plan). Training batches
+are then random: with no padding to save, pools sorted by length buy nothing.
 """
 
 from __future__ import annotations
