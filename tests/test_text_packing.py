@@ -254,7 +254,7 @@ def test_a_packed_token_step_averages_over_the_step_s_labelled_tokens(rows):
     shape = PackShape(length=32, rows=rows, texts=12, eval_rows=1, eval_texts=1)
     n = len(LENGTHS)
     packed = step_batch(texts(LENGTHS), targets[:n], np.ones(n, np.float32), shape, cfg.pad_token_id, jnp.asarray,
-                        per_token=True)  # fmt: skip
+                        loss="token_cross_entropy")  # fmt: skip
     assert packed.count == (targets[:n, :, 0] >= 0).sum()
     step = SequenceStepConfig("token_cross_entropy", dropout=False)
     g1, l1, _ = gradients(graphdef, rest, params, None, {k: jnp.asarray(v) for k, v in padded.items()}, step)

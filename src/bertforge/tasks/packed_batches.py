@@ -27,7 +27,7 @@ from bertforge.model.architectures import SEGMENT_FAMILIES
 from bertforge.model.config import ModelConfig
 from bertforge.runtime.devices import global_array
 from bertforge.train.packed_step import PackedBatch
-from bertforge.train.sequence_step import PER_TOKEN
+from bertforge.train.sequence_step import counted
 
 POOLINGS = ("cls", "mean", "max")  # the poolings with a packed form (heads.pool_packed)
 # Heads whose rows are N texts (an embedding model's anchor, positive and negatives; a question's choices): a
@@ -134,12 +134,17 @@ def _eval_shape(lengths: np.ndarray, valid_lengths: np.ndarray, length: int, s: 
     return rows, round_up(rows * _per_row(lengths, valid_lengths, length), shards)
 
 
+def _first_only(model: ModelConfig, head: str) -> bool:
+    """Whether the last layer computes each text's first token only: a head that reads only that (cls pooling)."""
+    return model.pooling == "cls" and head not in TOKEN_HEADS
+
+
 def ladder_work(lengths: np.ndarray, batch_size: int, limit: int, bucket: int, rungs: tuple[int, ...], seed: int,
                 model: ModelConfig, per_row: int = 1, head: str = "sequence") -> int:  # fmt: skip
     """Token-layers an epoch of batches padded to the ladder computes: every layer of every padded token, but
     only the first token of each text in the last layer when the head reads only that (cls pooling, not a token
     head). `per_row`: the texts of a row (an embedding model's pair), each padded to the batch's length."""
-    first_only = model.pooling == "cls" and head not in TOKEN_HEADS
+    first_only = _first_only(model, head)
     texts = batch_size * per_row
     work = 0
     for b in epoch_batches(lengths, batch_size, max(bucket, 1), seed, 0):
@@ -153,7 +158,7 @@ def packed_work(shape: PackShape, rows: int, batch_size: int, model: ModelConfig
     """Token-layers an epoch of packed steps of `rows` rows of data computes: every layer of every token of their
     packed rows, but only each text's first token in the last layer when the head reads only that (as
     ladder_work)."""
-    first_only = model.pooling == "cls" and head not in TOKEN_HEADS
+    first_only = _first_only(model, head)
     tokens = shape.mean_rows * shape.length
     texts = batch_size * per_row
     return math.ceil(rows / batch_size) * (tokens * (model.num_layers - first_only) + texts * first_only)
@@ -188,10 +193,10 @@ def inference_shape(lengths: np.ndarray, batch_size: int, limit: int) -> PackSha
 
 
 def step_batch(encs: Sequence[Row], targets: np.ndarray, weights: np.ndarray, shape: PackShape, pad_id: int,
-               put: Callable[[np.ndarray], Any], per_token: bool = False) -> PackedBatch:  # fmt: skip
+               put: Callable[[np.ndarray], Any], loss: str | None = None) -> PackedBatch:  # fmt: skip
     """A training step's texts, with their targets and weights, as packed micro-batches put on the devices by
-    `put`; a step of no texts is one micro-batch of fillers. `per_token`: the loss is averaged over the step's
-    labelled tokens (sequence_step.loss_count), not its texts."""
+    `put`; a step of no texts is one micro-batch of fillers. Its count is what `loss` averages over in the whole
+    step (sequence_step.counted: its texts, or for a per-token loss their labelled tokens)."""
     micro = []
     for batch, held in micro_batches(encs, shape, pad_id) or [(fill([], [], shape.length, shape.rows, shape.texts,
                                                                         pad_id), [])]:  # fmt: skip
@@ -199,9 +204,7 @@ def step_batch(encs: Sequence[Row], targets: np.ndarray, weights: np.ndarray, sh
         w = np.zeros(shape.texts, np.float32)
         t[: len(held)], w[: len(held)] = targets[held], weights[held]
         micro.append({k: put(v) for k, v in {**batch, "targets": t, "weight": w}.items()})
-    real = weights > 0
-    count = ((targets[..., 0] >= 0) & real[:, None]).sum() if per_token else real.sum()
-    return PackedBatch(micro, float(count))
+    return PackedBatch(micro, float(counted(loss, targets, weights)))
 
 
 def whole_batch(rows: Sequence[EncodedChoices], targets: np.ndarray, weights: np.ndarray, shape: PackShape,
@@ -226,7 +229,7 @@ def job_step_batch(job: Any, rows: np.ndarray) -> PackedBatch | dict[str, Any]:
     if job.task.HEAD in WHOLE:
         batch = whole_batch(encs, targets, weights, job.pack, pad_id, job.train.batch_size)
         return {k: put(v) for k, v in batch.items()}
-    return step_batch(encs, targets, weights, job.pack, pad_id, put, per_token=job.loss in PER_TOKEN)
+    return step_batch(encs, targets, weights, job.pack, pad_id, put, loss=job.loss)
 
 
 def packed_ahead(job: Any, state: Any, key: Any) -> None:

@@ -93,13 +93,18 @@ def span_cross_entropy(outputs: jax.Array, targets: jax.Array) -> jax.Array:
     return (start + end) / 2
 
 
-def loss_count(loss: str, targets: jax.Array, weight: jax.Array) -> jax.Array:
-    """What a batch's weighted loss sum is averaged over: its real rows (weight > 0), or for a per-token loss their
-    labelled tokens; at least 1."""
+def counted(loss: str | None, targets: Any, weight: Any) -> Any:
+    """What a batch's weighted loss sum counts: its real rows (weight > 0), or for a per-token loss their labelled
+    tokens. Array methods only, so that a step's NumPy targets on the host count as its jax batch does."""
     real = weight > 0
     if loss in PER_TOKEN:
         real = (targets[..., 0] >= 0) & real[:, None]
-    return jnp.maximum(jnp.sum(real), 1).astype(jnp.float32)
+    return real.sum()
+
+
+def loss_count(loss: str, targets: jax.Array, weight: jax.Array) -> jax.Array:
+    """What a batch's weighted loss sum is averaged over: counted, at least 1."""
+    return jnp.maximum(counted(loss, targets, weight), 1).astype(jnp.float32)
 
 
 @dataclasses.dataclass(frozen=True)
