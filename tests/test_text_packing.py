@@ -153,20 +153,26 @@ def test_packed_losses_and_gradients_equal_the_padded_ones(family, loss):
 
 
 # ------------------------------------------------------------------------------------------------ embedding models
-def pair_batch(cfg: ModelConfig, rows: int = 6, real: int = 5, targets: np.ndarray | None = None) -> tuple[dict, dict]:
-    """`real` rows of (anchor, positive, negative) texts of mixed lengths (or 3 choices of a question, with
-    `targets`), and fillers up to `rows`: padded to 32 as (B, 3, T), and packed whole (whole_batch) into 12 rows
-    of 32."""
+def _pairs(cfg: ModelConfig, real: int = 5) -> tuple[list[EncodedChoices], np.ndarray, np.ndarray]:
+    """`real` rows of (anchor, positive, negative) texts of mixed lengths, one of them a whole row of 32, and
+    multiple-negatives targets in which row 3's positive is row 0's passage."""
     lengths = np.random.default_rng(6).integers(2, 31, (real, 3))
     lengths[0, 1] = 32  # one text fills its row
     encs = texts(lengths.ravel().tolist(), seed=7)
     if not cfg.type_vocab_size:
         encs = [Encoded(e.ids, [0] * len(e.ids)) for e in encs]
     pairs = [EncodedChoices(tuple(encs[3 * r : 3 * r + 3])) for r in range(real)]
-    if targets is None:
-        targets = np.stack([np.ones(real), np.ones(real), np.arange(real), np.arange(real)], 1).astype(np.float32)
-        targets[3, 3] = 0  # row 3's positive is row 0's passage: not its negative
-    weight = np.ones(real, np.float32)
+    targets = np.stack([np.ones(real), np.ones(real), np.arange(real), np.arange(real)], 1).astype(np.float32)
+    targets[3, 3] = 0  # row 3's positive is row 0's passage: not its negative
+    return pairs, targets, np.ones(real, np.float32)
+
+
+def pair_batch(cfg: ModelConfig, rows: int = 6, real: int = 5, targets: np.ndarray | None = None) -> tuple[dict, dict]:
+    """`real` rows of (anchor, positive, negative) texts of mixed lengths (or 3 choices of a question, with
+    `targets`), and fillers up to `rows`: padded to 32 as (B, 3, T), and packed whole (whole_batch) into 12 rows
+    of 32."""
+    pairs, default_targets, weight = _pairs(cfg, real)
+    targets = default_targets if targets is None else targets
     shape = PackShape(length=32, rows=12, texts=3 * rows, eval_rows=1, eval_texts=1)
     packed = packed_batches.whole_batch(pairs, targets, weight, shape, cfg.pad_token_id, rows)
     padded = pad_batch(pairs, cfg.pad_token_id, 32, rows)
@@ -186,6 +192,28 @@ def test_packed_embedding_losses_and_gradients_equal_the_padded_ones(family, poo
     np.testing.assert_allclose(np.asarray(together).reshape(alone.shape)[:5], np.asarray(alone)[:5], atol=1e-5)
     step = SequenceStepConfig("mnrl", dropout=False, contrastive=ContrastiveConfig())
     assert same_gradients(graphdef, rest, params, padded, packed, step) > 0.1
+
+
+@pytest.mark.parametrize(("family", "parts"), [(f, 2) for f in SEGMENT_FAMILIES] + [("bert", 3)])
+def test_the_cached_loss_on_packed_mini_batches_has_the_padded_batchs_loss_and_gradients(family, parts):
+    """The cached loss (GradCache) over `parts` mini-batches each packed on its own (rows i * A + k in mini-batch
+    k): the loss and gradients of the whole padded (B, N, T) batch taken at once, filler rows and a shared
+    passage included."""
+    cfg = dataclasses.replace(family_config(family, "mean"), normalize=True)
+    graphdef, params, rest = nnx.split(build(cfg, "embedding", seed=0), nnx.Param, ...)
+    padded, _ = pair_batch(cfg)
+    pairs, targets, weight = _pairs(cfg)
+    shape = PackShape(length=32, rows=12, texts=3 * 6 // parts, eval_rows=1, eval_texts=1)
+    packed = packed_batches.whole_batch(pairs, targets, weight, shape, cfg.pad_token_id, 6, parts)
+    assert packed["input_ids"].shape == (12 * parts, 32) and packed["starts"].shape == (18,)
+    step = SequenceStepConfig("mnrl", dropout=False, contrastive=ContrastiveConfig())
+    g1, l1, _ = gradients(graphdef, rest, params, None, {k: jnp.asarray(v) for k, v in padded.items()}, step)
+    cached = dataclasses.replace(step, grad_accum=parts)
+    g2, l2, _ = gradients(graphdef, rest, params, None, {k: jnp.asarray(v) for k, v in packed.items()}, cached)
+    assert float(l2) == pytest.approx(float(l1), abs=1e-5) and float(l1) > 0.1
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2), strict=True):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5, rtol=0)
+    assert max(float(jnp.abs(g).max()) for g in jax.tree.leaves(g1)) > 1e-3
 
 
 @pytest.mark.parametrize("family", SEGMENT_FAMILIES)
@@ -401,12 +429,15 @@ def test_a_packed_k_fold_run_compiles_one_training_and_one_evaluation_program(mo
     assert _total(counts, "compile_requests_use_cache", "jit(gradients)") > 1, counts
 
 
-def test_a_packed_embedding_run_compiles_one_training_and_one_evaluation_program(model_dir, tmp_path):
+@pytest.mark.parametrize("accum", [1, 2])
+def test_a_packed_embedding_run_compiles_one_training_and_one_evaluation_program(accum, model_dir, tmp_path):
+    """Packed whole, or with the cached loss in 2 mini-batches each packed on its own."""
     data = write_rows(tmp_path / "pairs.csv", pair_rows(48, seed=3))
     pairs = ["--task", "embedding", "--text-column", "query", "--text-pair-column", "passage", "--negative-column",
-             "negative"]  # fmt: skip
+             "negative", f"--train.grad_accum={accum}"]  # fmt: skip
     counts, log = _compiles(tmp_path, "packed-pairs", model_dir, data, *pairs, "--data.pack=true")
-    assert "each step's texts packed into one batch of" in log, log
+    into = "one batch" if accum == 1 else "2 mini-batches"
+    assert f"each step's texts packed into {into} of" in log, log
     assert _total(counts, "compile_requests_use_cache", "jit(gradients)") == 1, counts
     assert _total(counts, "compile_requests_use_cache", "jit(predict_step)") == 1, counts
     summary = json.loads((tmp_path / "packed-pairs" / "summary.json").read_text())

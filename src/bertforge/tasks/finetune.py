@@ -294,12 +294,12 @@ def _fold_rows(table: Table, valid: Table | None, folds: np.ndarray | None, f: i
 
 def _not_packed(cfg: FinetuneConfig, pre: Pretrained) -> str:
     """Why the run cannot pack its texts ('' when it can): packed_batches.why_not, the lazy table update, or
-    gradient accumulation over rows of N texts (an embedding model's cached loss)."""
+    gradient accumulation over questions' choices (an embedding model's cached loss packs each mini-batch)."""
     model, head = pre.model.config, TASKS[cfg.head.task].HEAD
     why = packed_batches.why_not(head, model.family, model.pooling)
     if not why and cfg.train.sparse_embeddings:
         why = "train.sparse_embeddings updates each batch's rows"
-    if not why and head in packed_batches.WHOLE and cfg.train.grad_accum > 1:
+    if not why and head == "choice" and cfg.train.grad_accum > 1:
         why = f"a {head} step's texts are packed whole (train.grad_accum > 1)"
     return why
 

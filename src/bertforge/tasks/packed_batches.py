@@ -8,7 +8,8 @@ most MARGIN times what batches padded to the length ladder would (both compute o
 the last layer when the head reads only that). A step's texts go into as many micro-batches of the run's one shape
 as they need (train/packed_step.py), so every step of every fold runs the same programs. Where a row is N texts
 (WHOLE: an embedding model, whose loss is over the whole batch, and a question's choices, whose scores are
-compared), a step's texts go into one batch of as many rows as the fullest step needs (whole_plan). Training batches
+compared), a step's texts go into one batch of as many rows as the fullest step needs (whole_plan); an embedding
+model's cached loss (train.grad_accum A > 1) packs each of its A mini-batches of rows on its own. Training batches
 are then random: with no padding to save, pools sorted by length buy nothing.
 """
 
@@ -97,12 +98,15 @@ def whole_plan(
     shards: int,
 ) -> PackShape:
     """As plan, for rows of N texts (WHOLE): each step's texts packed into one batch of as many rows as the step
-    that needs most. `lengths` (R, N): the tokens of each training row's N texts."""
+    that needs most; with grad_accum A > 1 (the cached loss), into A mini-batches of as many rows as the fullest
+    needs, each of the batch's rows i * A + k in mini-batch k (whole_batch). `lengths` (R, N): the tokens of each
+    training row's N texts."""
     s = settings
+    a = s["grad_accum"]
     length = _row_length(lengths, valid_lengths, limit, s["bucket"])
-    rows = round_up(int(_needs(lengths, fold_rows, length, s).max()), shards)
-    texts = s["batch_size"] * lengths.shape[1]
-    return PackShape(length, rows, texts, *_eval_shape(lengths, valid_lengths, length, s, shards), float(rows))
+    rows = round_up(int(_needs(lengths, fold_rows, length, s, a).max()), shards)
+    texts = s["batch_size"] // a * lengths.shape[1]
+    return PackShape(length, rows, texts, *_eval_shape(lengths, valid_lengths, length, s, shards), float(rows * a))
 
 
 def _row_length(lengths: np.ndarray, valid_lengths: np.ndarray, limit: int, bucket: int) -> int:
@@ -111,13 +115,16 @@ def _row_length(lengths: np.ndarray, valid_lengths: np.ndarray, limit: int, buck
     return bucket_length(longest, limit, max(bucket, 1))
 
 
-def _needs(lengths: np.ndarray, fold_rows: Sequence[np.ndarray], length: int, s: dict[str, Any]) -> np.ndarray:
-    """The rows each training step of every fold packs its texts into (all texts of a row of (R, N) `lengths`)."""
+def _needs(lengths: np.ndarray, fold_rows: Sequence[np.ndarray], length: int, s: dict[str, Any],
+           parts: int = 1) -> np.ndarray:  # fmt: skip
+    """The rows each training step of every fold packs its texts into (all texts of a row of (R, N) `lengths`);
+    with `parts` A, each of its A mini-batches of rows i * A + k (the step's i-th row in mini-batch i mod A)."""
     return np.array([
-        len(first_fit(fold[b].ravel().tolist(), length))
+        len(first_fit(fold[b[k::parts]].ravel().tolist(), length))
         for fold in (lengths[rows] for rows in fold_rows)
         for epoch in range(math.ceil(s["epochs"]))
         for b in epoch_batches(fold, s["batch_size"], 0, s["seed"], epoch)
+        for k in range(parts)
     ])  # fmt: skip
 
 
@@ -208,12 +215,19 @@ def step_batch(encs: Sequence[Row], targets: np.ndarray, weights: np.ndarray, sh
 
 
 def whole_batch(rows: Sequence[EncodedChoices], targets: np.ndarray, weights: np.ndarray, shape: PackShape,
-                pad_id: int, size: int) -> dict[str, np.ndarray]:  # fmt: skip
+                pad_id: int, size: int, parts: int = 1) -> dict[str, np.ndarray]:  # fmt: skip
     """A training step of `size` rows of N texts each (WHOLE) as one packed batch: text n of row r in slot
-    r * N + n; the rows past len(rows) are fillers, with no texts and weight 0."""
-    encs = [e for row in rows for e in row.options]
-    batch = fill(encs, first_fit([len(e.ids) for e in encs], shape.length), shape.length, shape.rows, shape.texts,
-                 pad_id)  # fmt: skip
+    r * N + n; the rows past len(rows) are fillers, with no texts and weight 0. With `parts` A > 1 (the cached
+    loss's mini-batches), rows i * A + k go to mini-batch k as its row i, each mini-batch packed on its own, and
+    their arrays are interleaved (row j of mini-batch k at j * A + k) as train/step.micro_batches cuts them apart,
+    so that each device keeps its own rows of every mini-batch."""
+    batches = []
+    for k in range(parts):
+        encs = [e for row in rows[k::parts] for e in row.options]
+        placed = first_fit([len(e.ids) for e in encs], shape.length)
+        batches.append(fill(encs, placed, shape.length, shape.rows, shape.texts, pad_id))
+    batch = {key: np.stack([b[key] for b in batches], axis=1).reshape(-1, *batches[0][key].shape[1:])
+             for key in batches[0]}  # fmt: skip
     t = np.zeros((size, *targets.shape[1:]), targets.dtype)
     w = np.zeros(size, np.float32)
     t[: len(rows)], w[: len(rows)] = targets, weights
@@ -227,7 +241,7 @@ def job_step_batch(job: Any, rows: np.ndarray) -> PackedBatch | dict[str, Any]:
     encs, pad_id = [job.encs[i] for i in rows], job.pre.tokenizer.pad_id
     targets, weights = job.table.targets[rows], job.table.weights[rows]
     if job.task.HEAD in WHOLE:
-        batch = whole_batch(encs, targets, weights, job.pack, pad_id, job.train.batch_size)
+        batch = whole_batch(encs, targets, weights, job.pack, pad_id, job.train.batch_size, job.train.grad_accum)
         return {k: put(v) for k, v in batch.items()}
     return step_batch(encs, targets, weights, job.pack, pad_id, put, loss=job.loss)
 
@@ -242,7 +256,9 @@ def packed_ahead(job: Any, state: Any, key: Any) -> None:
 def shapes_line(shape: PackShape | None, rungs: tuple[int, ...], bucket: int, whole: bool = False) -> str:
     """How a fold's log describes its batches' shapes (`whole`: a step's texts packed into one batch)."""
     if shape is not None and whole:
-        return f"each step's texts packed into one batch of {shape.rows} rows of {shape.length} tokens"
+        parts = round(shape.mean_rows / shape.rows)
+        into = "one batch" if parts == 1 else f"{parts} mini-batches"
+        return f"each step's texts packed into {into} of {shape.rows} rows of {shape.length} tokens"
     if shape is not None:
         steps = f"{shape.mean_rows / shape.rows:.2f}"
         return f"texts packed into micro-batches of {shape.rows} rows of {shape.length} tokens ({steps} a step)"
