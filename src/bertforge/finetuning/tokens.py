@@ -12,7 +12,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from scipy.special import softmax
 
 from bertforge.data import windows
 from bertforge.data.labelled import Table, TableConfig
@@ -21,6 +20,7 @@ from bertforge.data.tags import convert, labels_of, scheme_of, spans_of, tags_of
 from bertforge.errors import UserError
 from bertforge.tokenizer.load import Tokenizer
 from bertforge.train.entities import entity_scores
+from bertforge.train.metrics import softmax
 
 NAME = "token-classification"
 HEAD = "token"

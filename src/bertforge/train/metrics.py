@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import numpy as np
-from scipy import stats
 
 # name -> True when larger is better
 HIGHER_IS_BETTER = {
@@ -27,6 +26,8 @@ def _correlation(kind: str, a: np.ndarray, b: np.ndarray) -> float:
     """Pearson's or Spearman's correlation; NaN where it is undefined (fewer than 2 rows, a constant column)."""
     if len(a) < 2 or np.ptp(a) == 0 or np.ptp(b) == 0:
         return float("nan")
+    from scipy import stats  # here, not at the top: it costs every command half a second to import
+
     fn = stats.pearsonr if kind == "pearson" else stats.spearmanr
     return float(fn(a, b).statistic)
 
@@ -51,6 +52,8 @@ def binary_auc(score: np.ndarray, positive: np.ndarray) -> float:
     n_pos, n_neg = int(positive.sum()), int((~positive).sum())
     if n_pos == 0 or n_neg == 0:
         return float("nan")
+    from scipy import stats
+
     ranks = stats.rankdata(np.asarray(score, np.float64))  # ties share their average rank
     return float((ranks[positive].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
 
