@@ -273,10 +273,13 @@ def attend(
     dropout: nnx.Dropout | None = None,
     key: jax.Array | None = None,
     window: int | None = None,
+    prefix: bool = True,
 ) -> jax.Array:
     """Attention by the implementation choose_attention picks for this platform; `key` is the attention dropout
-    key, None where dropout is inactive; `window` the local window's half-width (None: global attention). Shapes as
-    in the module docstring."""
+    key, None where dropout is inactive; `window` the local window's half-width (None: global attention). `prefix`:
+    each row's valid keys are its first ones (padding at its end), so cuDNN may take them as a length; not so for
+    the first tokens of packed texts, whose keys are their own text's span of the row. Shapes as in the module
+    docstring."""
     name = choose_attention(requested, jax.default_backend(), key is not None, dtype, q.shape[-1])
     if name in ("custom", "cudnn"):
         # Projections come out in float32 (their products accumulate in it); the products here run in the
@@ -284,7 +287,8 @@ def attend(
         q, k, v = (x.astype(dtype) for x in (q, k, v))
     if name in ("explicit", "custom"):
         return IMPLEMENTATIONS[name](q, k, v, mask, dropout, key, window=window)
-    if name == "cudnn" and mask.shape[2] > 1:
-        # A mask per query (packed rows): cudnn_attention describes padding by row lengths only.
+    if name == "cudnn" and (mask.shape[2] > 1 or not prefix):
+        # A mask per query (packed rows), or keys that are not a row's first: cudnn_attention describes padding by
+        # row lengths only.
         return cudnn_masked_attention(q, k, v, mask, window=window)
     return IMPLEMENTATIONS[name](q, k, v, mask, window=window)

@@ -162,7 +162,9 @@ class Layer(KeyedLayer):
         v = self.value(x2).reshape(b, t, n, h)
         if queries is not None:  # each query's own row of keys and values
             k, v = k[queries // t], v[queries // t]  # (Nq, T, N, H)
-        ctx = attend(q, k, v, mask, self.cfg.attention, self.cfg.dtype, self.attn_dropout, attn_key)  # (Bq, Q, N, H)
+        ctx = attend(
+            q, k, v, mask, self.cfg.attention, self.cfg.dtype, self.attn_dropout, attn_key, prefix=queries is None
+        )  # (Bq, Q, N, H)
         attn = self.attn_out(ctx.reshape(bq * tq, d))
         if self.attn_out_dropout:
             attn = self.dropout(attn, rngs=k1)

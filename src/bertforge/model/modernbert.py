@@ -119,7 +119,7 @@ class Layer(KeyedLayer):
         bq, tq = q.shape[:2]
         q = rotary(q, self.theta, qpos)
         ctx = attend(
-            q, k, v, mask, self.cfg.attention, self.cfg.dtype, self.attn_dropout, probs_key, window=window
+            q, k, v, mask, self.cfg.attention, self.cfg.dtype, self.attn_dropout, probs_key, window, queries is None
         )  # (Bq, Q, N, H)
         attn = self.attn_dropout(self.attn_out(ctx.reshape(bq * tq, d)), rngs=out_key)
         x = layers.query_tokens(x, first_only, queries) + attn.astype(x.dtype)  # (Bq*Q, D)
