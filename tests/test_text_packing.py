@@ -27,6 +27,8 @@ from test_token_classification import tagged_sentences, write_jsonl
 from bertforge.data.batching import EncodedChoices, epoch_batches, pad_batch
 from bertforge.data.text_packing import PACKED_INPUTS, PackShape, eval_batches, first_fit, micro_batches, pack
 from bertforge.finetuning.pairs import distinct_texts
+from bertforge.model import attention as attn
+from bertforge.model import config as model_config
 from bertforge.model.architectures import FAMILIES, SEGMENT_FAMILIES, build
 from bertforge.model.config import ModelConfig, preset
 from bertforge.runtime.devices import global_array, make_mesh
@@ -227,6 +229,27 @@ def test_packed_choices_have_the_scores_losses_and_gradients_of_padded_ones(fami
     same_gradients(graphdef, rest, params, padded, packed, SequenceStepConfig("cross_entropy", dropout=False))
 
 
+@pytest.mark.parametrize("family", ["bert", "modernbert"])
+def test_packed_first_tokens_attend_to_their_own_text_on_cudnn(family, monkeypatch):
+    """cuDNN's path takes a row's padding as its length; a packed text's first token must attend to its own span
+    of the row instead. The cuDNN calls run here on XLA's implementation of jax.nn.dot_product_attention, which
+    takes the same arguments (lengths and masks) and means the same by them."""
+    real = jax.nn.dot_product_attention
+    monkeypatch.setattr(jax.nn, "dot_product_attention", lambda *a, implementation=None, **k: real(*a, **k))
+    monkeypatch.setattr(attn, "choose_attention", lambda requested, *_: requested)
+    monkeypatch.setattr(model_config, "cudnn_takes", lambda *_: True)  # float32 here, for a 1e-5 comparison
+    outputs = {}
+    for name in ("cudnn", "explicit"):
+        cfg = dataclasses.replace(family_config(family, "cls"), attention=name)
+        graphdef, params, rest = nnx.split(build(cfg, "sequence", num_labels=3, seed=0), nnx.Param, ...)
+        _, packed = padded_and_packed(cfg, np.zeros(12, np.int32))
+        outputs[name] = np.asarray(
+            predict_step(graphdef, rest, params, {k: jnp.asarray(packed[k]) for k in PACKED_INPUTS})
+        )
+    n = len(LENGTHS)
+    np.testing.assert_allclose(outputs["cudnn"][:n], outputs["explicit"][:n], atol=1e-5, rtol=0)
+
+
 # ------------------------------------------------------------------------------------------------ token heads
 def token_targets(head: str, lengths: list[int], seed: int = 5) -> np.ndarray:
     """Targets of texts of `lengths` and two fillers: for 'token' (B, 32, 2), a label at about two tokens in three
@@ -392,6 +415,13 @@ def test_packing_is_offered_only_where_it_is_exact():
     assert "has no packed form" in packed_batches.why_not("mlm", "bert", "cls")
     assert packed_batches.why_not("embedding", "modernbert", "mean") == ""
     assert packed_batches.why_not("choice", "electra", "cls") == ""
+    # Auto pads the first-token path in 16 bits on accelerators (a non-finite first step on an H200, docs/gpu.md).
+    assert packed_batches.auto_declines("choice", "cls", "gpu", "bfloat16")
+    assert packed_batches.auto_declines("sequence", "cls", "tpu", "float16")
+    assert not packed_batches.auto_declines("choice", "cls", "cpu", "bfloat16")
+    assert not packed_batches.auto_declines("choice", "cls", "gpu", "float32")
+    assert not packed_batches.auto_declines("sequence", "mean", "gpu", "bfloat16")
+    assert not packed_batches.auto_declines("span", "cls", "gpu", "bfloat16")
 
 
 # ------------------------------------------------------------------------------------------------ one program
