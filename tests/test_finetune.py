@@ -582,6 +582,29 @@ def test_bad_tables_are_refused_naming_the_row_or_column(model_dir, tmp_path, ca
     assert "3 rows cannot make 5 folds" in _refused(model_dir, data, out, capsys)
 
 
+@pytest.mark.parametrize("pack", ["true", "false"])
+def test_weights_that_give_nan_stop_the_first_step_naming_its_cures(model_dir, tmp_path, capsys, pack):
+    """A NaN in the starting weights makes the first step's loss NaN, before any update: the error says so and
+    names what may cure that (the weights, float32, padded rows for a packed run), not a smaller learning rate."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    bad = tmp_path / "nan-model"
+    shutil.copytree(model_dir, bad)
+    weights = load_file(bad / "model.safetensors")
+    name = next(k for k in sorted(weights) if k.endswith("attention.self.query.weight"))
+    weights[name][0, 0] = np.nan
+    save_file(weights, bad / "model.safetensors", metadata={"format": "pt"})
+    data = write_table(tmp_path / "train.csv", river_rows(12))
+    code = finetune(bad, data, tmp_path / "run", "--fold", "0", f"--data.pack={pack}")
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 2 and "Traceback" not in err, err
+    assert err.startswith("error: fold 0: the loss became NaN or infinite at step 1; no update came before it")
+    assert "check the model's weights" in err and "optim.lr" not in err
+    assert err.endswith("train.dtype=float32" + (" or data.pack=false" if pack == "true" else ""))
+
+
 def test_a_class_never_seen_in_training_is_refused(model_dir, tmp_path, capsys):
     rows = [{"text": f"text number {i}", "label": "a" if i % 2 else "b"} for i in range(20)]
     train = write_table(tmp_path / "train.csv", rows)

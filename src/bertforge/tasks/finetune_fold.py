@@ -263,7 +263,8 @@ def _train(job: Job, fold: Fold, state: TrainState, checkpoints: Checkpoints, st
         if best != int(state.step):
             state, _ = checkpoints.restore(best, state)
     except loop.NonFiniteLoss as e:
-        raise loop.non_finite_error(e, before=f"fold {fold.number}: ") from None
+        first = ("data.pack=false",) if job.pack is not None else ()
+        raise loop.non_finite_error(e, before=f"fold {fold.number}: ", first=first) from None
     finally:
         log.close()
         checkpoints.close()

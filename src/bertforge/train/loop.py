@@ -282,13 +282,19 @@ def _run_due(
 
 
 class NonFiniteLoss(UserError):
-    pass
+    def __init__(self, step: int):
+        super().__init__(f"the loss became NaN or infinite at step {step}")
+        self.step = step
 
 
-def non_finite_error(e: NonFiniteLoss, before: str = "", after: str = "") -> UserError:
+def non_finite_error(e: NonFiniteLoss, before: str = "", after: str = "", first: tuple[str, ...] = ()) -> UserError:
     """What a driver stops with on `e`: the loop's words, with what the driver knows of its run `before` and `after`
-    them, and the cure."""
-    return UserError(f"{before}{e}{after}; lower optim.lr or set optim.clip_norm")
+    them, and the cure: a smaller step once the weights have moved; at the first step, which no update precedes,
+    the starting weights or the precision, or the driver's `first` options."""
+    if e.step > 1:
+        return UserError(f"{before}{e}{after}; lower optim.lr or set optim.clip_norm")
+    tries = " or ".join(("train.dtype=float32", *first))
+    return UserError(f"{before}{e}{after}; no update came before it: check the model's weights, or try {tries}")
 
 
 def _check_finite(pending: list[dict[str, Any]], step: int) -> None:
@@ -296,4 +302,4 @@ def _check_finite(pending: list[dict[str, Any]], step: int) -> None:
     for i, ok in enumerate(flags):
         if not bool(ok):
             bad = step - len(pending) + i + 1
-            raise NonFiniteLoss(f"the loss became NaN or infinite at step {bad}")
+            raise NonFiniteLoss(bad)
