@@ -118,9 +118,8 @@ class Layer(KeyedLayer):
             qpos = positions[:, : q.shape[1]]
         bq, tq = q.shape[:2]
         q = rotary(q, self.theta, qpos)
-        ctx = attend(
-            q, k, v, mask, self.cfg.attention, self.cfg.dtype, self.attn_dropout, probs_key, window, queries is None
-        )  # (Bq, Q, N, H)
+        ctx = attend(q, k, v, mask, self.cfg.attention, self.cfg.dtype, self.attn_dropout, probs_key, window=window,
+                     prefix=queries is None)  # (Bq, Q, N, H)  # fmt: skip
         attn = self.attn_dropout(self.attn_out(ctx.reshape(bq * tq, d)), rngs=out_key)
         x = layers.query_tokens(x, first_only, queries) + attn.astype(x.dtype)  # (Bq*Q, D)
         inp, gate = jnp.split(self.mlp_in(self.mlp_norm(x).astype(x.dtype)), 2, axis=-1)  # (Bq*Q, F) each
