@@ -1,4 +1,5 @@
-"""The dropout mask drawn from 16-bit halves of random words: its keep rate, its scale, its keys."""
+"""The dropout mask drawn from a keyed hash of each element's position: its keep rate, its independence across
+positions, rows and keys, its scale, its keys, its sharding."""
 
 from __future__ import annotations
 
@@ -23,9 +24,42 @@ def test_keep_fraction_is_the_keep_probability(rate):
     # Binomial: the kept fraction is within 5 standard deviations of p.
     n = keep.size
     assert abs(keep.mean() - p) < 5 * np.sqrt(p * (1 - p) / n)
-    # Neighbouring elements (the two halves of one word) are independent: their joint keep rate is p^2.
-    pairs = keep[..., 0:256:2] & keep[..., 1:256:2]
-    assert abs(pairs.mean() - p * p) < 5 * np.sqrt(p * p * (1 - p * p) / pairs.size)
+    # Neighbouring elements are independent: their joint keep rate is p^2.
+    _assert_independent(keep[..., 0:256:2], keep[..., 1:256:2], p)
+
+
+def _assert_independent(a: np.ndarray, b: np.ndarray, p: float) -> None:
+    """Two masks of keep probability p keep an element together at rate p^2 (within 5 standard deviations)."""
+    both = a & b
+    assert abs(both.mean() - p * p) < 5 * np.sqrt(p * p * (1 - p * p) / both.size)
+
+
+def test_rows_distant_positions_and_keys_draw_independently():
+    # The hash is keyed per row and per key, over each element's index in its row: masks must not repeat across
+    # rows, across the heads of a row (index offsets of T * T), or between two keys split from one.
+    shape, rate = (64, 4, 48, 48), 0.5
+    k1, k2 = jax.random.split(jax.random.key(7))
+    a, b = (np.asarray(keep_mask(k, rate, shape)) for k in (k1, k2))
+    p = keep_threshold(rate) / LEVELS
+    _assert_independent(a[:-1], a[1:], p)
+    _assert_independent(a[:, :-1], a[:, 1:], p)
+    _assert_independent(a, b, p)
+    # A key whose words differ in one bit (a plain seed 0 against 1) gives another mask, not a shifted copy.
+    c, d = (np.asarray(keep_mask(jax.random.key(s), rate, shape)) for s in (0, 1))
+    _assert_independent(c, d, p)
+    _assert_independent(c[:, :, :, :-1], d[:, :, :, 1:], p)
+
+
+def test_a_sharded_mask_is_the_one_device_mask():
+    # Each device computes its own rows of the mask from iota: under a data-parallel sharding the mask equals the
+    # one a single device draws for the whole batch.
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    devices = np.array(jax.devices()[:8])
+    mesh = Mesh(devices, ("data",))
+    key, shape = jax.random.key(11), (len(devices) * 2, 3, 20, 20)
+    sharded = jax.jit(lambda k: keep_mask(k, 0.1, shape), out_shardings=NamedSharding(mesh, PartitionSpec("data")))
+    np.testing.assert_array_equal(np.asarray(sharded(key)), np.asarray(keep_mask(key, 0.1, shape)))
 
 
 def test_dropout_zeroes_or_scales_by_the_exact_keep_probability():

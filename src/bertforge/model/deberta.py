@@ -19,7 +19,7 @@ from flax import nnx
 
 from bertforge.model.attention import MASK_VALUE, attention
 from bertforge.model.config import ACTIVATIONS, SIZE_LIMITS, ModelConfig, read_fields, refuse, write_fields
-from bertforge.model.dropout import Dropout
+from bertforge.model.dropout import Dropout, derive
 from bertforge.model.family import Family
 from bertforge.model.heads import Ids, MlmHead, SequenceHead, TokenHead, classifier_rate
 from bertforge.model.keys import Row, layernorm_rows, linear_rows, table_row
@@ -93,7 +93,7 @@ class Layer(KeyedLayer):
         """x (B, T, D), mask (B, T) bool, rel (R, D) the table rows that `plan` reads (None without relative
         attention) -> (B, T, D). `keys` are the dropout keys of dropout_keys(), drawn here when not given."""
         hidden_key, attn_key = self.dropout_keys() if keys is None else keys
-        k1, k2, k3 = jax.random.split(hidden_key, 3) if hidden_key is not None else (None, None, None)
+        k1, k2, k3 = tuple(derive(hidden_key, i) for i in range(3)) if hidden_key is not None else (None, None, None)
         cfg, (b, t, d) = self.cfg, x.shape
         n, h, dt = cfg.num_heads, cfg.head_dim, cfg.compute_dtype
         terms = [term for term in TERMS if term in cfg.pos_att_type]
@@ -271,7 +271,7 @@ def normalise_keys(tensors: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
 PRETRAINING_HEAD = None  # transformers has no DebertaV2ForPreTraining; RTD discriminators load as encoders
 RTD_ARCHITECTURE = None
 NATIVE_POOLINGS = ("cls",)  # ContextPooler takes the first token
-SCORE_BUFFERS = 5  # float32 (B, N, T, T) buffers a layer's step keeps, for plan: BERT's 4, relative scores' gradient
+SCORE_BUFFERS = 4  # float32 (B, N, T, T) buffers a layer's step keeps, for plan (fitted): BERT's and relative scores'
 # ModelConfig field -> config.json key, read and written as is.
 # fmt: off
 HF_FIELDS = {

@@ -13,6 +13,7 @@ from flax import nnx
 
 from bertforge.model.attention import segment_mask
 from bertforge.model.config import ModelConfig
+from bertforge.model.dropout import next_key
 from bertforge.model.layout import row_major
 
 
@@ -126,7 +127,7 @@ def sinusoids(rows: int, dim: int, std: float) -> jax.Array:
 
 def dropout_keys(*dropouts: nnx.Dropout) -> tuple[jax.Array | None, ...]:
     """This call's key of each dropout, drawn from its stream; None where it is inactive."""
-    return tuple(d.rngs() if d.rate > 0 and not d.deterministic else None for d in dropouts)
+    return tuple(next_key(d.rngs) if d.rate > 0 and not d.deterministic else None for d in dropouts)
 
 
 class KeyedLayer(nnx.Module):

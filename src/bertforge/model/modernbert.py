@@ -18,7 +18,7 @@ from flax import nnx
 from bertforge.model import layers
 from bertforge.model.attention import attend, segment_positions
 from bertforge.model.config import ACTIVATIONS, ModelConfig, refuse, write_fields
-from bertforge.model.dropout import Dropout
+from bertforge.model.dropout import Dropout, derive
 from bertforge.model.family import Family
 from bertforge.model.heads import MlmHead, SequenceHead, TokenHead, classifier_rate
 from bertforge.model.keys import Row, layernorm_rows, linear_rows, table_row
@@ -102,7 +102,7 @@ class Layer(KeyedLayer):
         """x (B, T, D), mask (B, 1, 1, T) True where a key may be attended (or (B, 1, T, T)), positions (B, T) or
         None for 0..T-1 -> (B, T, D); `first_only` and `queries` as in bert.Layer: (B, 1, D) and (Nq, 1, D)."""
         hidden_key, attn_key = self.dropout_keys() if keys is None else keys
-        probs_key, out_key = jax.random.split(attn_key) if attn_key is not None else (None, None)
+        probs_key, out_key = (derive(attn_key, 0), derive(attn_key, 1)) if attn_key is not None else (None, None)
         b, t, d = x.shape
         n, h = self.cfg.num_heads, self.cfg.head_dim
         y = x if self.attn_norm is None else self.attn_norm(x).astype(x.dtype)
@@ -239,7 +239,7 @@ def normalise_keys(tensors: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
 PRETRAINING_HEAD = None  # there is no ModernBertForPreTraining
 RTD_ARCHITECTURE = None
 NATIVE_POOLINGS = ("cls", "mean")  # ModernBertForSequenceClassification's classifier_pooling
-SCORE_BUFFERS = 4  # float32 (B, N, T, T) buffers a layer's training step keeps, for plan: BERT's
+SCORE_BUFFERS = 4  # float32 (B, N, T, T) buffers a layer's training step keeps, for plan (fitted; no dropout)
 GLOBAL, LOCAL = "full_attention", "sliding_attention"  # transformers' layer_types
 # ModelConfig field -> config.json key. hidden_dropout is mlp_dropout's, and also drops the embeddings (see
 # hf_fields); attention_dropout drops the probabilities and the attention's output, as in transformers.

@@ -3,7 +3,7 @@
 Parameters, optimizer state and gradients are counted exactly from the model's shapes and the sharding rules of
 runtime/devices.py. Activations are the buffers the compiled step keeps alive at its peak, counted per layer:
 
-    16 (tokens x hidden) + 4 (tokens x intermediate) + 4 (heads x length^2 per sequence)   float32 values
+    16 (tokens x hidden) + 4 (tokens x intermediate) + S (heads x length^2 per sequence)   float32 values
 
 (inputs of the four projections, q/k/v and the attention output, the LayerNorm inputs and statistics, the GELU's
 intermediates, the attention probabilities and their backward), plus the vocabulary side: the tied embedding's
@@ -12,10 +12,10 @@ compiler keeps about half a second logits buffer alive, so the vocabulary side's
 and logits + one (tokens x intermediate) transient. The peak is the larger of that activation peak and the end of
 the step, where the gradients and the optimizer's update temporaries (2 x parameters) are alive together.
 These counts were read off XLA's buffer assignment; tests/test_plan.py holds the estimate to within 10% of the
-memory JAX reports for the compiled step, tiny through base. An architecture that keeps more (heads x length^2)
-buffers says how many (SCORE_BUFFERS: DeBERTa's relative-position scores take 5 in all, fitted to the compiled
-step at 64 to 256 tokens). Other backends fuse differently, so treat the figure as a guide with a margin, and check
-it on the device with --compile.
+memory JAX reports for the compiled step, tiny through base. S is the architecture's SCORE_BUFFERS, fitted to
+the compiled step: BERT's 2 (the attention probabilities and their dropout mask, which dropout.keep_mask's hash
+lets XLA fuse), DeBERTa's 4 with its relative-position scores, ModernBERT's 4 without dropout. Other backends
+fuse differently, so treat the figure as a guide with a margin, and check it on the device with --compile.
 """
 
 from __future__ import annotations
