@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from bertforge.model.dropout import LEVELS, Dropout, keep_mask, keep_threshold
+from bertforge.model.dropout import LEVELS, Dropout, derive, keep_mask, keep_threshold, next_key
 
 
 @pytest.mark.parametrize("rate", [0.1, 0.5, 0.9])
@@ -48,6 +48,19 @@ def test_rows_distant_positions_and_keys_draw_independently():
     c, d = (np.asarray(keep_mask(jax.random.key(s), rate, shape)) for s in (0, 1))
     _assert_independent(c, d, p)
     _assert_independent(c[:, :, :, :-1], d[:, :, :, 1:], p)
+    # Keys derived inside a model (a layer's hidden-dropout keys, a stream's next key) draw independent masks too.
+    e, f = (np.asarray(keep_mask(derive(k1, i), rate, shape)) for i in (0, 1))
+    _assert_independent(e, f, p)
+    _assert_independent(a, e, p)
+
+
+def test_a_stream_gives_a_new_key_each_call_and_the_same_keys_from_the_same_state():
+    stream = nnx.Rngs(dropout=5).dropout
+    first, second = next_key(stream), next_key(stream)
+    assert int(stream.count[...]) == 2
+    assert not np.array_equal(jax.random.key_data(first), jax.random.key_data(second))
+    again = nnx.Rngs(dropout=5).dropout
+    np.testing.assert_array_equal(jax.random.key_data(next_key(again)), jax.random.key_data(first))
 
 
 def test_a_sharded_mask_is_the_one_device_mask():
