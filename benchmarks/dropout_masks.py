@@ -33,6 +33,8 @@ import jax.numpy as jnp
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).parent))
 
+from step_speed import _step_time, _worktree  # noqa: E402
+
 from bertforge.model.dropout import derive, dropped, keep_mask, keep_threshold  # noqa: E402
 
 ATTENTION = (17 * 6, 12, 128, 128)  # (rows x layers, heads, queries, keys)
@@ -92,15 +94,13 @@ def _finetune(tree: Path, args: argparse.Namespace, out: Path) -> dict[str, floa
     start = time.perf_counter()
     subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wall = time.perf_counter() - start
-    rows = [json.loads(line) for line in (out / "fold-0" / "metrics.jsonl").read_text().splitlines()]
-    steps = [r["step_time"] for r in rows if "step_time" in r]
-    accuracy = [r["valid_accuracy"] for r in rows if "valid_accuracy" in r]
-    return {"wall_s": wall, "step_s": statistics.median(steps[1:]), "accuracy": accuracy[-1]}
+    metrics = out / "fold-0" / "metrics.jsonl"
+    accuracy = [r["valid_accuracy"] for r in map(json.loads, metrics.read_text().splitlines()) if "valid_accuracy" in r]
+    return {"wall_s": wall, "step_s": _step_time(metrics), "accuracy": accuracy[-1]}
 
 
 def end_to_end(args: argparse.Namespace, scratch: Path) -> dict[str, list[dict[str, float]]]:
-    base = scratch / "baseline"
-    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(base), args.baseline], check=True)
+    base = _worktree(args.baseline, scratch)
     runs: dict[str, list[dict[str, float]]] = {"baseline": [], "this tree": []}
     try:
         for rep in range(args.reps):

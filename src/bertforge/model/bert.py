@@ -21,7 +21,7 @@ from flax import nnx
 from bertforge.errors import UserError
 from bertforge.model.attention import attend, segment_positions
 from bertforge.model.config import ACTIVATIONS, ModelConfig, read_fields, refuse, write_fields
-from bertforge.model.dropout import Dropout, derive
+from bertforge.model.dropout import Dropout, split_key
 from bertforge.model.family import Family, lookup
 from bertforge.model.heads import MlmHead, SequenceHead, TokenHead, classifier_rate
 from bertforge.model.keys import Row, layernorm_rows, linear_rows, table_row
@@ -149,7 +149,7 @@ class Layer(KeyedLayer):
         that pack several. `keys` are the dropout keys of `dropout_keys()`, drawn here when not given.
         """
         hidden_key, attn_key = self.dropout_keys() if keys is None else keys
-        k1, k2 = (derive(hidden_key, 0), derive(hidden_key, 1)) if hidden_key is not None else (None, None)
+        k1, k2 = split_key(hidden_key, 2)
         b, t, d = x.shape
         n, h = self.cfg.num_heads, self.cfg.head_dim
         # Dense layers see tokens as one (B*T, D) matrix: XLA's CPU backward of a matmul that contracts two

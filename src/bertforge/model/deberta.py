@@ -19,7 +19,7 @@ from flax import nnx
 
 from bertforge.model.attention import MASK_VALUE, attention
 from bertforge.model.config import ACTIVATIONS, SIZE_LIMITS, ModelConfig, read_fields, refuse, write_fields
-from bertforge.model.dropout import Dropout, derive
+from bertforge.model.dropout import Dropout, split_key
 from bertforge.model.family import Family
 from bertforge.model.heads import Ids, MlmHead, SequenceHead, TokenHead, classifier_rate
 from bertforge.model.keys import Row, layernorm_rows, linear_rows, table_row
@@ -93,7 +93,7 @@ class Layer(KeyedLayer):
         """x (B, T, D), mask (B, T) bool, rel (R, D) the table rows that `plan` reads (None without relative
         attention) -> (B, T, D). `keys` are the dropout keys of dropout_keys(), drawn here when not given."""
         hidden_key, attn_key = self.dropout_keys() if keys is None else keys
-        k1, k2, k3 = tuple(derive(hidden_key, i) for i in range(3)) if hidden_key is not None else (None, None, None)
+        k1, k2, k3 = split_key(hidden_key, 3)
         cfg, (b, t, d) = self.cfg, x.shape
         n, h, dt = cfg.num_heads, cfg.head_dim, cfg.compute_dtype
         terms = [term for term in TERMS if term in cfg.pos_att_type]

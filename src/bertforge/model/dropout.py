@@ -61,12 +61,19 @@ def keep_mask(key: jax.Array, rate: float, shape: tuple[int, ...]) -> jax.Array:
 def derive(key: jax.Array, i: int | jax.Array) -> jax.Array:
     """The key numbered `i` under `key`, as jax.random.fold_in(key, i) but by `mix` over the key's words, for keys
     that only dropout masks read (keep_mask, again by the hash): no generator loop to compile in the step."""
-    words = jax.random.key_data(key).reshape(-1).astype(jnp.uint32)
+    data = jax.random.key_data(key)
+    words = data.reshape(-1)
     salt = mix(jnp.asarray(i, jnp.uint32) + jnp.uint32(0x9E3779B9))
     first = mix(words[0] ^ mix(words[1] ^ salt))
     second = mix(first + words[1] + jnp.uint32(0x85EBCA6B))
-    data = words.at[0].set(first).at[1].set(second).reshape(jax.random.key_data(key).shape)
+    data = words.at[0].set(first).at[1].set(second).reshape(data.shape)
     return jax.random.wrap_key_data(data, impl=jax.random.key_impl(key))
+
+
+def split_key(key: jax.Array | None, n: int) -> tuple[jax.Array | None, ...]:
+    """n keys derived from `key` (derive(key, 0..n-1)), as jax.random.split gives them for threefry; n Nones for
+    an inactive dropout's None."""
+    return (None,) * n if key is None else tuple(derive(key, i) for i in range(n))
 
 
 def next_key(stream: rnglib.RngStream) -> jax.Array:

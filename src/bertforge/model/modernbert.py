@@ -18,7 +18,7 @@ from flax import nnx
 from bertforge.model import layers
 from bertforge.model.attention import attend, segment_positions
 from bertforge.model.config import ACTIVATIONS, ModelConfig, refuse, write_fields
-from bertforge.model.dropout import Dropout, derive
+from bertforge.model.dropout import Dropout, split_key
 from bertforge.model.family import Family
 from bertforge.model.heads import MlmHead, SequenceHead, TokenHead, classifier_rate
 from bertforge.model.keys import Row, layernorm_rows, linear_rows, table_row
@@ -102,7 +102,7 @@ class Layer(KeyedLayer):
         """x (B, T, D), mask (B, 1, 1, T) True where a key may be attended (or (B, 1, T, T)), positions (B, T) or
         None for 0..T-1 -> (B, T, D); `first_only` and `queries` as in bert.Layer: (B, 1, D) and (Nq, 1, D)."""
         hidden_key, attn_key = self.dropout_keys() if keys is None else keys
-        probs_key, out_key = (derive(attn_key, 0), derive(attn_key, 1)) if attn_key is not None else (None, None)
+        probs_key, out_key = split_key(attn_key, 2)
         b, t, d = x.shape
         n, h = self.cfg.num_heads, self.cfg.head_dim
         y = x if self.attn_norm is None else self.attn_norm(x).astype(x.dtype)
