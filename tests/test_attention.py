@@ -270,10 +270,28 @@ def test_cudnn_masked_attention_prepares_what_the_kernel_is_given(monkeypatch, q
     out, grads = forward_and_grads(fn, q, k, v, mask, d_out)
     want, want_grads = forward_and_grads(formula, q, k, v, local, d_out)
     assert seen[0] == (q_len + q_len % 2, T, (B, 1, q_len + q_len % 2, T), "cudnn")
+    # A query that sees no key sees every key in the kernel (kernel_mask): only the others' outputs are the
+    # formula's; as no loss reaches the former, every gradient is.
+    sees = np.asarray(local).any(-1)[:, 0]  # (B, Q)
+    np.testing.assert_allclose(np.asarray(out)[sees], np.asarray(want)[sees], atol=1e-5)
     rows = [i for i, s in enumerate(SEGMENTS) if any(s)]  # the filler row: see assert_matches
-    for got, expected in zip((out, *grads), (want, *want_grads), strict=True):
-        assert np.all(np.isfinite(np.asarray(got)))
+    assert all(np.all(np.isfinite(np.asarray(x))) for x in (out, *grads))
+    for got, expected in zip(grads, want_grads, strict=True):
         np.testing.assert_allclose(np.asarray(got)[rows], np.asarray(expected)[rows], atol=1e-5)
+
+
+def test_the_masked_cudnn_kernel_gives_every_query_a_key():
+    # cuDNN's backward gave NaN for a query that sees no key (bfloat16 on an H200: a packed row's padding, a filler
+    # row), so kernel_mask lets such a query see every key; rows that see a key are given as they are.
+    mask = np.asarray(packed_mask(T))
+    assert not mask.any(-1).all()  # padding queries and the filler row see nothing
+    got = np.asarray(attn.kernel_mask(jnp.asarray(mask), T + 2, T + 1))
+    assert got.shape == (B, 1, T + 2, T + 1)
+    assert got.any(-1).all()  # appended queries too
+    assert not got[..., T:].any()  # the appended key is never attended
+    seen = mask.any(-1)
+    np.testing.assert_array_equal(got[:, :, :T, :T][seen], mask[seen])
+    assert got[:, :, :T, :T][~seen].all()
 
 
 def test_attend_gives_packed_rows_to_the_masked_cudnn_kernel(monkeypatch):

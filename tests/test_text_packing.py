@@ -415,13 +415,6 @@ def test_packing_is_offered_only_where_it_is_exact():
     assert "has no packed form" in packed_batches.why_not("mlm", "bert", "cls")
     assert packed_batches.why_not("embedding", "modernbert", "mean") == ""
     assert packed_batches.why_not("choice", "electra", "cls") == ""
-    # Auto pads choices read by their first tokens in 16 bits on accelerators (a non-finite first step on an H200).
-    assert packed_batches.auto_declines("choice", "cls", "gpu", "bfloat16")
-    assert packed_batches.auto_declines("choice", "cls", "tpu", "float16")
-    assert not packed_batches.auto_declines("sequence", "cls", "gpu", "bfloat16")  # CommonLit trained packed there
-    assert not packed_batches.auto_declines("choice", "cls", "cpu", "bfloat16")
-    assert not packed_batches.auto_declines("choice", "cls", "gpu", "float32")
-    assert not packed_batches.auto_declines("choice", "mean", "gpu", "bfloat16")
 
 
 # ------------------------------------------------------------------------------------------------ one program

@@ -184,14 +184,24 @@ def cudnn_masked_attention(
     """cuDNN's fused attention given a mask per query, (B, 1, Q, T): rows that pack several sequences, whose
     attention is block-diagonal. The kernel takes the mask as a bias of that shape, so every logit is still
     computed, but on the tensor cores and without the (B, N, Q, T) probabilities XLA's attention keeps for its
-    backward. The local window is folded into the mask; a padded query row (all False) gets a uniform softmax."""
+    backward. The local window is folded into the mask; a padding query attends to every key (kernel_mask)."""
     tq, tk = q.shape[1], k.shape[1]
     if window is not None:
         mask = mask & band(tq, tk, window)  # (B, 1, Q, T)
     q, k, v = _pad_to_even(q), _pad_to_even(k), _pad_to_even(v)  # even lengths, as in cudnn_attention
-    mask = jnp.pad(mask, ((0, 0), (0, 0), (0, q.shape[1] - tq), (0, k.shape[1] - tk)))
-    out = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="cudnn")
+    out = jax.nn.dot_product_attention(q, k, v, mask=kernel_mask(mask, q.shape[1], k.shape[1]), implementation="cudnn")
     return out[:, :tq]  # (B, Q, N, H)
+
+
+def kernel_mask(mask: jax.Array, q_len: int, k_len: int) -> jax.Array:
+    """(B, 1, Q, T) bool -> (B, 1, q_len, k_len) for cuDNN's masked kernel. A query with no key to attend (a
+    packed row's padding) attends to every key instead, where cuDNN's backward gave NaN for it (bfloat16, H200);
+    no text's token attends to padding, so nothing reads its output. Appended queries attend to every key too;
+    appended keys to none."""
+    q, t = mask.shape[2:]
+    mask = mask | ~mask.any(axis=-1, keepdims=True)
+    mask = jnp.pad(mask, ((0, 0), (0, 0), (0, q_len - q), (0, 0)), constant_values=True)
+    return jnp.pad(mask, ((0, 0), (0, 0), (0, 0), (0, k_len - t)))
 
 
 def _pad_to_even(x: jax.Array) -> jax.Array:

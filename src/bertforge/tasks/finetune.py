@@ -311,8 +311,6 @@ def _pack_shape(cfg: FinetuneConfig, pre: Pretrained, table: Table, valid: Table
     if cfg.data.pack is False or _not_packed(cfg, pre):
         return None
     t, head = cfg.train, TASKS[cfg.head.task].HEAD
-    if cfg.data.pack is None and packed_batches.auto_declines(head, model.pooling, jax.default_backend(), model.dtype):
-        return None
     whole = head in packed_batches.WHOLE  # rows of N texts, packed a whole step at once
     lengths, valid_lengths = (_text_lengths(x, whole) for x in (table, valid))
     per_row = lengths.shape[1] if whole else 1

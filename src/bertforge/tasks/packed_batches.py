@@ -52,15 +52,6 @@ def margin(platform: str) -> float:
     return MARGIN if platform == "cpu" else math.inf
 
 
-def auto_declines(head: str, pooling: str, platform: str, dtype: str) -> bool:
-    """Whether auto pads multiple choice read by each text's first token (pooling cls) on `platform` (jax's name)
-    in compute `dtype`. On an H200, JCommonsenseQA packed so in bfloat16 (about three texts a row) stopped at its
-    first step with a non-finite loss under each of the four attention implementations, while the same run in
-    float32, or padded, trained, as did CommonLit's packed cls regression there (one excerpt a row; docs/gpu.md);
-    CPUs run it exactly. Until the cause is known, auto pads there; data.pack=true packs."""
-    return head == "choice" and pooling == "cls" and platform != "cpu" and dtype != "float32"
-
-
 def why_not(head: str, family: str, pooling: str) -> str:
     """Why a model cannot be fine-tuned on packed rows ('' when it can)."""
     if head not in ("sequence", *TOKEN_HEADS, *WHOLE):
