@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from bertforge.config import from_dict, load_config, parse_overrides, parse_value
+from bertforge.config import from_dict, load_config, load_config_and_data, parse_overrides, parse_value
 from bertforge.errors import UserError
 from bertforge.model.config import PRESETS, ModelConfig
 from bertforge.tasks.finetune import FinetuneConfig
@@ -131,6 +131,19 @@ def test_a_section_given_in_part_keeps_the_stage_defaults(tmp_path):
     two = load_config(PretrainConfig, None, ["--model.num_layers=2"]).model
     assert two == dataclasses.replace(PRESETS["mini"], num_layers=2)
     assert load_config(PretrainConfig, None, ["--model.preset=small"]).model == PRESETS["small"]
+
+
+def test_a_key_given_as_a_value_and_as_a_section_is_refused():
+    # Fine-tuning's `model` is the folder to start from: `--model.attention=xla` beside it used to vanish under it,
+    # so the run went on without the setting. Either order, from a file or a flag, is one clear line.
+    with pytest.raises(
+        UserError, match=r"'model' is given both as a value and as a section with keys \(model.attention\)"
+    ):
+        load_config_and_data(FinetuneConfig, None, ["--model.attention=xla"], {"model": "minilm"})
+    with pytest.raises(UserError, match=r"'train.dtype' is given both .*train.dtype.x"):
+        load_config_and_data(FinetuneConfig, None, ["--train.dtype=float32"], {"train": {"dtype": {"x": 1}}})
+    cfg, _ = load_config_and_data(FinetuneConfig, None, ["--train.attention=xla"], {"model": "minilm"})
+    assert (cfg.model, cfg.train.attention) == ("minilm", "xla")
 
 
 def test_override_values_are_yaml_scalars_and_text_otherwise():

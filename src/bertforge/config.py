@@ -190,13 +190,20 @@ def parse_overrides(args: Sequence[str]) -> dict[str, Any]:
     return out
 
 
-def deep_merge(base: Mapping[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+def deep_merge(base: Mapping[str, Any], extra: Mapping[str, Any], where: str = "") -> dict[str, Any]:
+    """`extra`'s keys over `base`'s, sections merged key by key. A key given as a value on one side and as a
+    section on the other (`--model DIR` with `--model.attention=xla`) is a mistake, not an override to drop."""
     out = dict(base)
     for k, v in extra.items():
-        if isinstance(v, Mapping) and isinstance(out.get(k), Mapping):
-            out[k] = deep_merge(out[k], v)
-        else:
-            out[k] = v
+        old = out.get(k)
+        if isinstance(v, Mapping) and isinstance(old, Mapping):
+            out[k] = deep_merge(old, v, f"{where}{k}.")
+            continue
+        if old is not None and v is not None and isinstance(v, Mapping) != isinstance(old, Mapping):
+            keys = ", ".join(f"{where}{k}.{s}" for s in (v if isinstance(v, Mapping) else old))
+            raise UserError(f"'{where}{k}' is given both as a value and as a section with keys ({keys}); "
+                            f"{where}{k} takes one or the other")  # fmt: skip
+        out[k] = v
     return out
 
 
