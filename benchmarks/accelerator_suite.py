@@ -6,7 +6,9 @@ Parts, each under its own deadline:
   projection at the masked positions only, rows packed with several documents each);
 - finetune-deberta: a DeBERTa-v3-base fine-tuning step at 32 x 512 (finetune_step_architectures.py's step);
 - finetune-commonlit: fine-tuning end to end, CommonLit fold 0 with all-MiniLM-L6-v2 (finetune_end_to_end.py's
-  settings): bertforge's first run (empty compile cache), the same command again (warm cache), and the Trainer.
+  settings): bertforge's first run (empty compile cache), the same command again (warm cache), and the Trainer;
+- device-tests: the tests marked gpu (device_tests.py), run first: what only the accelerator computes, against the
+  formula (a CPU skips them).
 
 Step parts compare bertforge in bf16 with transformers (PyTorch) in bf16 autocast, eager (SDPA attention) and
 torch.compile, each implementation in a fresh process: tokens/s, MFU (model FLOPs of the part's recipe against the
@@ -39,6 +41,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import device_tests  # noqa: E402
 import finetune_end_to_end as e2e  # noqa: E402
 import finetune_step_architectures as fsa  # noqa: E402
 from timing import exclusive, jax_peak_bytes, torch_timed  # noqa: E402
@@ -58,7 +61,7 @@ class Shape:
 class Part:
     title: str
     arch: str  # finetune_step_architectures.CONFIGS key
-    kind: str  # pretrain or finetune (a step), e2e (a whole run)
+    kind: str  # pretrain or finetune (a step), e2e (a whole run), tests (pytest -m gpu)
     full: Shape
     smoke: Shape
     rate: float = 0.15  # masking rate (pretraining)
@@ -73,7 +76,9 @@ PARTS = {
                              Shape(4, 64, 2)),
     "finetune-commonlit": Part("Fine-tuning end to end, CommonLit fold 0, all-MiniLM-L6-v2", "bert", "e2e",
                                Shape(16, 256, 0), Shape(16, 32, 0)),
+    "device-tests": Part("The tests marked gpu", "", "tests", Shape(0, 0, 0), Shape(0, 0, 0)),
 }  # fmt: skip
+STEP_KINDS = ("pretrain", "finetune")
 # (name, implementation, options) of every step part, in the order they start: torch.compile takes longest.
 STEP_VARIANTS = [
     ("transformers torch.compile bf16 autocast", "torch", {"compiled": True}),
@@ -82,7 +87,7 @@ STEP_VARIANTS = [
 ]
 # ModernBERT's packed rows also through XLA's attention, the path they took before cuDNN took a mask per query.
 EXTRA_VARIANTS = {"pretrain-modernbert": [("bertforge bf16, attention xla", "jax", {"attention": "xla"})]}
-DEADLINES = {"step": 260.0, "e2e": {"first run": 130.0, "warm cache": 50.0, "Trainer": 90.0}}
+DEADLINES = {"step": 260.0, "e2e": {"first run": 130.0, "warm cache": 50.0, "Trainer": 90.0}, "tests": 150.0}
 
 
 # ------------------------------------------------------------------------------------------------------ batches
@@ -208,9 +213,10 @@ class Results:
     def write(self, plot: bool = False) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
         title = f"Accelerator suite on {self.device}" + (" (smoke: tiny models)" if self.smoke else "")
-        runs = any(PARTS[r["part"]].kind == "e2e" for r in self.rows)
-        steps = any(PARTS[r["part"]].kind != "e2e" for r in self.rows)
-        tables = [step_table(self.rows, self.peak)] * steps + [e2e_table(self.rows)] * runs  # only the parts run
+        kinds = {PARTS[r["part"]].kind for r in self.rows}
+        tests = [r for r in self.rows if PARTS[r["part"]].kind == "tests"]
+        tables = ([step_table(self.rows, self.peak)] * bool(kinds & set(STEP_KINDS)) + [e2e_table(self.rows)] *
+                  ("e2e" in kinds) + [device_tests.table(tests)] * bool(tests))  # only the parts run  # fmt: skip
         text = "\n\n".join([title, *tables]) + "\n"
         (self.out / f"{self.name}.md").write_text(text)
         (self.out / f"{self.name}.json").write_text(json.dumps({"title": title, "rows": self.rows}, indent=2) + "\n")
@@ -240,7 +246,7 @@ def step_table(rows: list[dict], peak: float) -> str:
     lines = ["| part | shape | implementation | step ms | tokens/s | x faster transformers | MFU | peak memory |",
              "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for name, part in PARTS.items():
-        ours = [r for r in rows if r["part"] == name and part.kind != "e2e"]
+        ours = [r for r in rows if r["part"] == name and part.kind in STEP_KINDS]
         theirs = [r["tokens_per_s"] for r in ours if r["implementation"].startswith("transformers") and "step_s" in r]
         for r in ours:
             flops = part_flops(name, r["shape"]["seq"])
@@ -299,7 +305,7 @@ def step_jobs(args: argparse.Namespace) -> list[dict]:
     jobs = []
     for name in args.parts:
         part = PARTS[name]
-        if part.kind == "e2e":
+        if part.kind not in STEP_KINDS:
             continue
         shape = part.smoke if args.smoke else part.full
         for label, impl, kw in STEP_VARIANTS + EXTRA_VARIANTS.get(name, []):
@@ -364,6 +370,15 @@ def tiny_model(folder: Path) -> str:
         if (source / name).exists():
             shutil.copy(source / name, folder / name)
     return str(folder)
+
+
+def run_device_tests(args: argparse.Namespace, results: Results) -> None:
+    if "device-tests" not in args.parts:
+        return
+    timeout = DEADLINES["tests"] * (3 if args.smoke else 1)
+    found = device_tests.run(timeout, accelerator=args.torch_device == "cuda")
+    results.add({"part": "device-tests", "implementation": "pytest -m gpu", **found})
+    print(f"device-tests done: {found.get('counts', found.get('failed'))}", flush=True)
 
 
 def run_e2e(args: argparse.Namespace, results: Results) -> None:
@@ -454,6 +469,7 @@ def main() -> None:
         args.model = args.model or e2e._minilm()
     results = Results(Path(args.out), device, peak, args.smoke)
     start = time.perf_counter()
+    run_device_tests(args, results)
     run_steps(args, results)
     run_e2e(args, results)
     results.write(plot=True)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -55,3 +56,28 @@ def test_smoke_fine_tuning_part_runs_both_systems(tmp_path):
 def test_a_part_past_its_deadline_is_written_down_and_the_rest_kept(tmp_path):
     rows = run_suite(tmp_path, "--smoke", "--parts", "pretrain-bert", "--step-deadline", "1")["rows"]
     assert len(rows) == 2 and all(r["failed"].startswith(("stopped at", "not run")) for r in rows), rows
+
+
+def test_device_tests_part_runs_the_gpu_marked_tests(tmp_path):
+    # On a CPU every test marked gpu skips; the part still collects and runs them, in its own pytest process.
+    marked = sum(p.read_text().count("@pytest.mark.gpu") for p in SUITE.parent.parent.glob("tests/test_*.py"))
+    (row,) = run_suite(tmp_path, "--smoke", "--parts", "device-tests")["rows"]
+    assert row["counts"]["passed"] == row["counts"]["failed"] == row["counts"]["errors"] == 0, row
+    assert row["counts"]["skipped"] >= marked > 0  # parametrized tests skip once per case
+    assert row["failures"] == []
+    assert "| pytest -m gpu | 0 | 0 |" in (tmp_path / "out" / "accelerator_suite.md").read_text()
+
+
+def test_device_tests_read_pytest_summaries():
+    spec = importlib.util.spec_from_file_location("device_tests", SUITE.parent / "device_tests.py")
+    device_tests = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(device_tests)
+    failed = "FAILED tests/test_attention.py::test_x[8] - AssertionError: NaN\n1 failed, 3 passed, 2 skipped in 12.31s"
+    assert device_tests.summary(failed) == {
+        "counts": {"passed": 3, "failed": 1, "skipped": 2, "errors": 0},
+        "failures": ["tests/test_attention.py::test_x[8]"],
+    }
+    errored = "ERROR tests/test_arch_modernbert.py - ImportError\n==== 1 error in 3.02s ===="
+    assert device_tests.summary(errored)["counts"]["errors"] == 1
+    assert device_tests.summary(errored)["failures"] == ["tests/test_arch_modernbert.py"]
+    assert device_tests.summary("no tests ran in 0.01s")["counts"] == dict.fromkeys(device_tests.OUTCOMES, 0)
