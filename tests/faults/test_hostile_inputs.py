@@ -292,6 +292,32 @@ def test_pretrain_configs_with_unknown_keys_and_wrong_types(config, capsys, tall
     shutil.rmtree(tmp)
 
 
+@pytest.mark.parametrize(
+    ("yaml_text", "argv", "key"),
+    [
+        ("", ["finetune", "--model", "some-folder", "--model.attention=xla", "--data", "t.csv"], "model"),
+        ("model: some-folder\n", ["finetune", "--model.attention=xla", "--data", "t.csv"], "model"),
+        ("model:\n  num_layers: 2\n", ["plan", "--model=mini", "--devices", "8", "--seq-len", "32"], "model"),
+        (
+            "train:\n  dtype: {x: 1}\n",
+            ["plan", "--train.dtype=float32", "--devices", "8", "--seq-len", "32"],
+            "train.dtype",
+        ),
+    ],
+)
+def test_a_key_given_as_a_value_and_as_a_section(yaml_text, argv, key, capsys, tally):
+    # A section's key beside the same name's value (`--model DIR --model.attention=xla`) used to be dropped.
+    tally("hostile")
+    tmp = scratch()
+    (tmp / "c.yaml").write_text(yaml_text, encoding="utf-8")
+    config = ["--config", str(tmp / "c.yaml")] if yaml_text else []
+    code, err = outcome([*argv, *config, "--out", str(tmp / "out")] if argv[0] == "finetune" else [*argv, *config],
+                        capsys)  # fmt: skip
+    assert code == 2 and f"'{key}' is given both as a value and as a section" in err, err
+    assert not (tmp / "out").exists()
+    shutil.rmtree(tmp)
+
+
 @given(text=nasty_text)
 @example(text="model: {preset: test\n")
 @example(text="\t- a\n b: [")
