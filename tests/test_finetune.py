@@ -153,6 +153,23 @@ def test_metrics_match_scipy_and_sklearn():
     assert got["auc"] == pytest.approx(skm.roc_auc_score(binary, two[:, 1] - two[:, 0]))
 
 
+def test_ranks_and_tied_scores_match_scipy_and_sklearn():
+    stats = pytest.importorskip("scipy.stats")
+    skm = pytest.importorskip("sklearn.metrics")
+    rng = np.random.default_rng(1)
+    tied = rng.integers(0, 7, size=500).astype(float)  # every value shared by about 70 rows
+    np.testing.assert_array_equal(metrics.ranks(tied), stats.rankdata(tied))
+    np.testing.assert_array_equal(metrics.ranks(np.array([3.0])), [1.0])
+    other = tied + rng.integers(0, 3, size=500)
+    got = metrics.regression(tied, other)
+    assert got["spearman"] == pytest.approx(stats.spearmanr(tied, other).statistic, rel=1e-9)
+    assert got["pearson"] == pytest.approx(stats.pearsonr(tied, other).statistic, rel=1e-9)
+    labels = (other > 4).astype(int)
+    assert metrics.binary_auc(tied, labels == 1) == pytest.approx(skm.roc_auc_score(labels, tied), rel=1e-12)
+    assert np.isnan(metrics.binary_auc(np.array([0.0, np.nan]), np.array([True, False])))
+    assert np.isnan(metrics.regression(np.ones(5), np.arange(5.0))["spearman"])  # a constant column
+
+
 # ------------------------------------------------------------------------------------------------------ batching
 def padded_total(maxima: np.ndarray, rungs: tuple[int, ...]) -> int:
     return sum(padded_length(int(m), 128, 8, rungs) for m in maxima)

@@ -22,14 +22,31 @@ HIGHER_IS_BETTER = {
 }
 
 
-def _correlation(kind: str, a: np.ndarray, b: np.ndarray) -> float:
-    """Pearson's or Spearman's correlation; NaN where it is undefined (fewer than 2 rows, a constant column)."""
-    if len(a) < 2 or np.ptp(a) == 0 or np.ptp(b) == 0:
-        return float("nan")
-    from scipy import stats  # here, not at the top: it costs every command half a second to import
+def ranks(x: np.ndarray) -> np.ndarray:
+    """1-based ranks of x (N,), ties sharing their average rank: scipy.stats.rankdata's default, in numpy (scipy's
+    import alone took a second of a short fine-tuning run)."""
+    x = np.asarray(x, np.float64)
+    order = np.argsort(x, kind="stable")
+    starts = np.r_[True, x[order][1:] != x[order][:-1]]  # (N,) True where a group of equal values begins
+    group = np.cumsum(starts) - 1
+    first = np.flatnonzero(starts)  # 0-based position of each group's first value
+    count = np.diff(np.r_[first, len(x)])
+    out = np.empty(len(x))
+    out[order] = (first + (count + 1) / 2)[group]  # positions first+1 .. first+count, averaged
+    return out
 
-    fn = stats.pearsonr if kind == "pearson" else stats.spearmanr
-    return float(fn(a, b).statistic)
+
+def _pearson(a: np.ndarray, b: np.ndarray) -> float:
+    a, b = a - a.mean(), b - b.mean()
+    return float(np.clip(np.dot(a, b) / np.sqrt(np.dot(a, a) * np.dot(b, b)), -1.0, 1.0))
+
+
+def _correlation(kind: str, a: np.ndarray, b: np.ndarray) -> float:
+    """Pearson's or Spearman's (Pearson's of the ranks) correlation; NaN where it is undefined (fewer than 2 rows,
+    a constant or non-finite column)."""
+    if len(a) < 2 or np.ptp(a) == 0 or np.ptp(b) == 0 or not (np.all(np.isfinite(a)) and np.all(np.isfinite(b))):
+        return float("nan")
+    return _pearson(a, b) if kind == "pearson" else _pearson(ranks(a), ranks(b))
 
 
 def regression(pred: np.ndarray, target: np.ndarray) -> dict[str, float]:
@@ -50,12 +67,10 @@ def binary_auc(score: np.ndarray, positive: np.ndarray) -> float:
     """Area under the ROC curve: the chance that a positive outranks a negative (Mann-Whitney U)."""
     positive = np.asarray(positive, bool)
     n_pos, n_neg = int(positive.sum()), int((~positive).sum())
-    if n_pos == 0 or n_neg == 0:
+    if n_pos == 0 or n_neg == 0 or not np.all(np.isfinite(score)):
         return float("nan")
-    from scipy import stats
-
-    ranks = stats.rankdata(np.asarray(score, np.float64))  # ties share their average rank
-    return float((ranks[positive].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
+    ranked = ranks(score)  # ties share their average rank
+    return float((ranked[positive].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
 
 
 def _f1(pred: np.ndarray, positive: np.ndarray) -> float:
