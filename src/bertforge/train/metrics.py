@@ -27,7 +27,8 @@ def ranks(x: np.ndarray) -> np.ndarray:
     import alone took a second of a short fine-tuning run)."""
     x = np.asarray(x, np.float64)
     order = np.argsort(x, kind="stable")
-    starts = np.r_[True, x[order][1:] != x[order][:-1]]  # (N,) True where a group of equal values begins
+    ordered = x[order]
+    starts = np.r_[True, ordered[1:] != ordered[:-1]]  # (N,) True where a group of equal values begins
     group = np.cumsum(starts) - 1
     first = np.flatnonzero(starts)  # 0-based position of each group's first value
     count = np.diff(np.r_[first, len(x)])
