@@ -11,11 +11,12 @@ import jax
 import jax.numpy as jnp
 
 from bertforge.errors import UserError
+from bertforge.model import activations
 from bertforge.model import family as families
 from bertforge.model.attention import ATTENTIONS, cudnn_takes
 
 ACTIVATIONS = {
-    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "gelu": activations.gelu,
     "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
     "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
     "relu": jax.nn.relu,
