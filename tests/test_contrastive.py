@@ -156,7 +156,9 @@ def test_cached_gradients_equal_the_direct_ones(loss):
     cached_loss, cached = grads_of(batch, 4, cfg, shard=False)
     assert cached_loss == pytest.approx(direct_loss, abs=1e-5)
     for a, b in zip(direct, cached, strict=True):
-        np.testing.assert_allclose(b, a, atol=1e-5)
+        # CoSENT's gradients reach |14| here, where float32's spacing is 1e-6 and the two paths sum in another order:
+        # 1e-5 absolute, or a few ulp of the larger ones.
+        np.testing.assert_allclose(b, a, atol=1e-5, rtol=1e-6)
 
 
 def test_eight_devices_give_the_loss_and_gradients_of_one_with_negatives_from_every_device():

@@ -1,4 +1,4 @@
-"""Activation functions whose automatic derivatives cost more than they need to on a CPU."""
+"""Activation functions whose automatic derivatives cost more time and memory than they need to."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 Parameters, optimizer state and gradients are counted exactly from the model's shapes and the sharding rules of
 runtime/devices.py. Activations are the buffers the compiled step keeps alive at its peak, counted per layer:
 
-    16 (tokens x hidden) + 4 (tokens x intermediate) + S (heads x length^2 per sequence)   float32 values
+    16 (tokens x hidden) + 3 (tokens x intermediate) + S (heads x length^2 per sequence)   float32 values
 
 (inputs of the four projections, q/k/v and the attention output, the LayerNorm inputs and statistics, the GELU's
 intermediates, the attention probabilities and their backward), plus the vocabulary side: the tied embedding's
@@ -120,7 +120,7 @@ def estimate(cfg: PretrainConfig, devices: int, seq_len: int) -> Plan:
     gradients = params
     act = 2 if m.dtype == "bfloat16" else 4  # hidden states; attention probabilities stay float32
     scores = family_module(m).SCORE_BUFFERS  # float32 (heads x length^2) buffers per layer
-    layer = (16 * n * d + 4 * n * f) * act + scores * b * heads * seq_len**2 * 4
+    layer = (16 * n * d + 3 * n * f) * act + scores * b * heads * seq_len**2 * 4
     predicted = prediction_capacity(n, cfg.mlm.rate) if cfg.train.sparse_head else n
     logits = predicted * v * 4
     saved = layer * (1 if m.remat else layers) + (n * d * act * layers if m.remat else 0)
