@@ -21,9 +21,14 @@ def gelu(x: jax.Array) -> jax.Array:
     return _gelu(x)
 
 
+def _phi(f: jax.Array) -> jax.Array:
+    """The standard normal CDF of float32 f: (1 + erf(f / sqrt(2))) / 2."""
+    return 0.5 * (1.0 + jax.lax.erf(f * _SQRT_HALF))
+
+
 def _gelu(x: jax.Array) -> jax.Array:
     f = x.astype(jnp.float32)
-    return (0.5 * f * (1.0 + jax.lax.erf(f * _SQRT_HALF))).astype(x.dtype)
+    return (f * _phi(f)).astype(x.dtype)
 
 
 def _gelu_fwd(x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -32,7 +37,7 @@ def _gelu_fwd(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 def _gelu_bwd(x: jax.Array, g: jax.Array) -> tuple[jax.Array]:
     f = x.astype(jnp.float32)
-    slope = 0.5 + 0.5 * jax.lax.erf(f * _SQRT_HALF) + f * _INV_SQRT_2PI * jnp.exp(-0.5 * f * f)
+    slope = _phi(f) + f * _INV_SQRT_2PI * jnp.exp(-0.5 * f * f)  # Phi(x) + x phi(x)
     return ((g.astype(jnp.float32) * slope).astype(g.dtype),)
 
 
