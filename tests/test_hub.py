@@ -4,6 +4,7 @@ on while a push is slow or failing, that the token is written nowhere, and the m
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -172,6 +173,39 @@ def test_finetuning_pushes_each_folds_model_into_its_folder(model_dir, tmp_path)
         assert meta["pipeline_tag"] == "text-classification" and meta["metrics"] == ["rmse"]
         assert "base_model" not in meta  # a local folder is no Hub id
     assert files_holding(tmp_path, TOKEN) == []
+    _export_of_a_finetuning_run(tmp_path / "run", tmp_path)
+
+
+def _export_of_a_finetuning_run(run: Path, tmp_path: Path) -> None:
+    """`bertforge export` of a fine-tuning run (the recovery a failed last push names): its finished folds' models,
+    laid out as finetune pushes them; --step is refused in one line."""
+    env = hub_env(FakeHub(), tmp_path / "hf-home")  # never started: nothing here may reach the Hub
+    done = bertforge("export", str(run), "--out", str(tmp_path / "both"), env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"exported {run} (the best model of fold-0, fold-1) -> {tmp_path / 'both'}"
+    for k in (0, 1):
+        for name in MODEL_FILES:
+            assert (tmp_path / "both" / f"fold-{k}" / name).read_bytes() == (
+                run / f"fold-{k}" / "model" / name
+            ).read_bytes()
+    # A fold whose result.json is not written has not finished: only the finished one goes, as the folder itself.
+    partial = tmp_path / "partial"
+    shutil.copytree(run, partial)
+    (partial / "fold-1" / "result.json").unlink()
+    with FakeHub() as hub:
+        done = bertforge("export", str(partial), "--push-to-hub", "org/river-0", env=hub_env(hub, tmp_path / "hf-home"))
+    assert done.returncode == 0, done.stderr
+    (commit,) = hub.commits
+    assert commit.summary == "bertforge export of partial: the best model of fold-0"
+    assert set(commit.files) >= MODEL_FILES and not any(name.startswith("fold-") for name in commit.files)
+    assert commit.files["model.safetensors"] == (run / "fold-0" / "model" / "model.safetensors").read_bytes()
+    done = bertforge("export", str(run), "--out", str(tmp_path / "step"), "--step", "3", env=env)
+    assert done.returncode == 2
+    assert (
+        done.stderr.strip()
+        == f"error: {run}: --step 3 is for pretraining runs; a fine-tuning run exports its folds' models"
+    )
+    assert not (tmp_path / "step").exists()
 
 
 def test_the_model_card_names_a_hub_base_model_and_shows_the_last_metrics():

@@ -67,9 +67,9 @@ def _pretrain(cfg: Any, args: argparse.Namespace) -> int:
 def _export(cfg: Any, args: argparse.Namespace) -> int:
     from bertforge.tasks import export
 
-    out, url = export.main(cfg)
-    done = [f"exported {cfg.run} ({cfg.step}) -> {out}"] if out else []
-    print("\n".join(done + ([f"pushed {cfg.run} ({cfg.step}) to the Hugging Face Hub: {url}"] if url else [])))
+    out, url, what = export.main(cfg)
+    done = [f"exported {cfg.run} ({what}) -> {out}"] if out else []
+    print("\n".join(done + ([f"pushed {cfg.run} ({what}) to the Hugging Face Hub: {url}"] if url else [])))
     return 0
 
 

@@ -1,11 +1,16 @@
 """`bertforge export RUN`: a pretraining run's weights as a Hugging Face folder (config, safetensors, tokenizer, a
 model card), and with `--push-to-hub ORG/NAME` that folder published on the Hugging Face Hub. A replaced-token
-detection run exports its discriminator, or with `--part generator` its generator (a masked-LM model)."""
+detection run exports its discriminator, or with `--part generator` its generator (a masked-LM model).
+
+A fine-tuning run's folds each keep their best model as a Hugging Face folder already (fold-K/model); exporting
+such a run copies them out and/or pushes them as `finetune --hub.repo` lays them out: one finished fold's folder as
+the repository itself, several each into fold-K/. Only finished folds go (those with their result.json)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -74,25 +79,45 @@ def export_pretrained(
     return save_pretrained(model, out, tokenizer, extra_files={**files, "bertforge.json": provenance})
 
 
-def main(cfg: ExportConfig) -> tuple[Path | None, str | None]:
-    """Export RUN's model at checkpoint `step` ('latest', 'best' or a step) into `out` and/or push it; returns the
-    folder (None when it was a temporary one) and the Hub commit's URL (None without a push)."""
+def main(cfg: ExportConfig) -> tuple[Path | None, str | None, str]:
+    """Export RUN's model into `out` and/or push it; returns the folder (None when it was a temporary one), the Hub
+    commit's URL (None without a push), and what was exported: a pretraining run's checkpoint `step` ('latest',
+    'best' or a step), or a fine-tuning run's finished folds' models (export_folds)."""
     if not cfg.out and not cfg.push_to_hub:
         raise UserError("nowhere to export to: give --out FOLDER, --push-to-hub ORG/NAME, or both")
+    folds = runs.fold_models(cfg.run)
+    if folds is not None and (cfg.part or cfg.step not in ("latest", "best")):
+        option = f"--part {cfg.part}" if cfg.part else f"--step {cfg.step}"
+        raise UserError(f"{cfg.run}: {option} is for pretraining runs; a fine-tuning run exports its folds' models")
+    with tempfile.TemporaryDirectory(prefix="bertforge-export-") as tmp:
+        out = Path(cfg.out) if cfg.out else Path(tmp) / (cfg.push_to_hub.split("/")[-1] or "model")
+        what = _export_checkpoint(cfg, out) if folds is None else export_folds(folds[0], out)
+        url = _push(cfg, out, what) if cfg.push_to_hub else None
+    return (Path(cfg.out) if cfg.out else None), url, what
+
+
+def _export_checkpoint(cfg: ExportConfig, out: Path) -> str:
     pre = load_run(cfg.run, cfg.step, cfg.part)
     assert pre.tokenizer is not None and pre.step is not None
     card = {"language": cfg.language, "datasets": cfg.datasets, "license": cfg.license}
-    name = cfg.push_to_hub
-    with tempfile.TemporaryDirectory(prefix="bertforge-export-") as tmp:
-        out = Path(cfg.out) if cfg.out else Path(tmp) / (name.split("/")[-1] or "model")
-        export_pretrained(pre.model, pre.tokenizer, cfg.run, out, pre.step, name, card)
-        url = None
-        if cfg.push_to_hub:
-            message = cfg.message or f"bertforge export of {Path(cfg.run).name} at step {pre.step}"
-            try:
-                url = hub.push_folder(out, cfg.push_to_hub, private=cfg.private, revision=cfg.revision, message=message)
-            except Exception as e:  # the network, the token, the Hub's refusal: the user's to fix
-                reason = (str(e).splitlines() or [type(e).__name__])[0]
-                kept = f"; the export is in {out}" if cfg.out else ""
-                raise UserError(f"pushing to {cfg.push_to_hub} failed ({reason}){kept}") from None
-    return (Path(cfg.out) if cfg.out else None), url
+    export_pretrained(pre.model, pre.tokenizer, cfg.run, out, pre.step, cfg.push_to_hub, card)
+    return f"step {pre.step}"
+
+
+def export_folds(models: list[Path], out: Path) -> str:
+    """Copy a fine-tuning run's fold models (FOLD/model folders) into `out`: one as `out` itself, several each into
+    out/fold-K/, as `finetune --hub.repo` pushes them; returns which folds went."""
+    names = [m.parent.name for m in models]
+    for model, name in zip(models, names, strict=True):
+        shutil.copytree(model, out if len(models) == 1 else out / name, dirs_exist_ok=True)
+    return f"the best model of {', '.join(names)}"
+
+
+def _push(cfg: ExportConfig, out: Path, what: str) -> str:
+    message = cfg.message or f"bertforge export of {Path(cfg.run).name}: {what}"
+    try:
+        return hub.push_folder(out, cfg.push_to_hub, private=cfg.private, revision=cfg.revision, message=message)
+    except Exception as e:  # the network, the token, the Hub's refusal: the user's to fix
+        reason = (str(e).splitlines() or [type(e).__name__])[0]
+        kept = f"; the export is in {out}" if cfg.out else ""
+        raise UserError(f"pushing to {cfg.push_to_hub} failed ({reason}){kept}") from None
