@@ -62,6 +62,44 @@ def test_finetune_figure_shows_out_of_fold_predictions_against_targets():
     np.testing.assert_allclose(scatter, [[i / 10, i / 10 + 0.05] for i in range(9)])
 
 
+def test_the_out_of_fold_panel_of_choices_entities_and_answers():
+    curves = {"fold-0": [{"step": 5, "loss": 1.0}, {"step": 10, "valid_f1": 0.5}]}
+    rng = np.random.default_rng(2)
+    labels, chosen = rng.integers(0, 4, 40), rng.integers(0, 4, 40)
+    choices = [{"id": str(i), "fold": "0", "label": str(t), "prediction": str(p), "probability_choice0": "0.25"}
+               for i, (t, p) in enumerate(zip(labels, chosen, strict=True))]  # fmt: skip
+    summary = {"task": "multiple-choice", "metric": "accuracy", "mean": 0.3, "std": 0.0, "folds": [{}]}
+    shown = finetune_figure("run", curves, summary, choices).axes[1].get_images()[0].get_array()
+    np.testing.assert_array_equal(shown, confusion_matrix(labels, chosen, labels=[0, 1, 2, 3]))
+
+    scores = {"f1": 0.4, "f1_PER": 0.6, "f1_LOC": 0.25, "f1_ORG": 0.0, "precision_PER": 0.9}
+    summary = {"task": "token-classification", "metric": "f1", "mean": 0.4, "std": 0.0, "folds": [{}],
+               "out_of_fold": scores}  # fmt: skip
+    ax = finetune_figure("run", curves, summary, [{"id": "1", "fold": "0", "entities": "[]", "predicted": "[]"}]).axes[
+        1
+    ]
+    bars = {t.get_text(): p.get_width() for t, p in zip(ax.get_yticklabels(), ax.patches, strict=True)}
+    assert bars == {"LOC": 0.25, "ORG": 0.0, "PER": 0.6}
+    assert ax.get_lines()[0].get_xdata()[0] == 0.4
+
+    # Each question's F1 against its best answer, by SQuAD's rule for text with spaces (word overlap), here on
+    # answers that SQuAD's normalisation leaves as they are.
+    questions = [("red river", ["red river", "river"]), ("blue city", ["green town"]), ("old red bridge", ["red"]),
+                 ("tall tower", ["tall", "tall tower of stone"]), ("", ["lake"])]  # fmt: skip
+    answers = [{"id": str(i), "fold": "0", "answers": json.dumps(golds), "prediction": pred, "start": "0",
+                "score": "0.5"} for i, (pred, golds) in enumerate(questions)]  # fmt: skip
+
+    def word_f1(pred: str, gold: str) -> float:
+        same = sum(min(pred.split().count(w), gold.split().count(w)) for w in set(pred.split()))
+        return 0.0 if same == 0 else 2 * same / (len(pred.split()) + len(gold.split()))
+
+    expected = [100 * max(word_f1(p, g) for g in gs) for p, gs in questions]  # 100, 0, 50, 66.7, 0
+    summary = {"task": "question-answering", "metric": "f1", "mean": 50.0, "std": 0.0, "folds": [{}]}
+    ax = finetune_figure("run", curves, summary, answers).axes[1]
+    np.testing.assert_array_equal([p.get_height() for p in ax.patches],
+                                  np.histogram(expected, bins=np.linspace(0, 100, 21))[0])  # fmt: skip
+
+
 def test_plot_cli_writes_a_png_of_a_run(tmp_path, capsys):
     run = tmp_path / "run"
     run.mkdir()

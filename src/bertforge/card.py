@@ -164,8 +164,7 @@ def curves_png(kind: str, name: str, records: list[dict[str, Any]]) -> bytes | N
     else:
         fig = plot.finetune_figure(name, {name: records}, None, [])
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100)
-    plot._pyplot().close(fig)
+    plot.save_figure(fig, buf, dpi=100, format="png")
     return buf.getvalue()
 
 

@@ -7,6 +7,8 @@ loss and the validation metric of every fold against steps, and out-of-fold pred
 from __future__ import annotations
 
 import dataclasses
+import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +16,7 @@ import numpy as np
 
 from bertforge import runs
 from bertforge.errors import UserError
+from bertforge.train.answers import f1, without_spaces
 from bertforge.train.metrics_log import METRICS, read_metrics
 
 
@@ -35,12 +38,16 @@ def plot_run(run: str | Path, out: str | Path | None = None) -> Path:
     records = read_metrics(run)
     if not records:
         raise UserError(f"{run}: no metrics.jsonl (has the run logged a step yet?)")
-    plt = _pyplot()
     fig = pretrain_figure(run.name, records)
     path = Path(out) if out else run / "curves.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
     return path
+
+
+# Fonts with Japanese, Chinese and Korean glyphs: matplotlib falls back from DejaVu Sans to the first of these
+# installed for each glyph it lacks (an entity type or a class named in Japanese, a run's name).
+CJK_FONTS = ("Noto Sans CJK JP", "Noto Sans JP", "IPAexGothic", "IPAGothic", "Hiragino Sans", "Yu Gothic",
+             "MS Gothic", "Noto Sans CJK SC", "Microsoft YaHei", "Arial Unicode MS")  # fmt: skip
 
 
 def _pyplot() -> Any:
@@ -49,7 +56,20 @@ def _pyplot() -> Any:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    fonts = list(matplotlib.rcParams["font.sans-serif"])
+    matplotlib.rcParams["font.sans-serif"] = fonts[:1] + [f for f in CJK_FONTS if f not in fonts] + fonts[1:]
     return plt
+
+
+def save_figure(fig: Any, target: Any, dpi: int = 120, **kwargs: Any) -> None:
+    """fig.savefig, then the figure closed. Where no installed font has a label's glyphs they are drawn as boxes,
+    without matplotlib's warning for each glyph."""
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"Glyph \d+ .*missing from font", category=UserWarning)
+            fig.savefig(target, dpi=dpi, **kwargs)
+    finally:
+        _pyplot().close(fig)
 
 
 def pretrain_figure(name: str, records: list[dict[str, Any]]) -> Any:
@@ -119,11 +139,9 @@ def plot_finetune(run: Path, out: str | Path | None = None) -> Path:
     if not folds:
         raise UserError(f"{run}: no fold has logged a step yet")
     curves = {d.name: read_metrics(d) for d in folds}
-    plt = _pyplot()
     fig = finetune_figure(run.name, curves, runs.read_summary(run), runs.read_oof(run))
     path = Path(out) if out else run / "curves.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
     return path
 
 
@@ -149,19 +167,7 @@ def finetune_figure(
     ax_metric.set_ylabel(f"validation {metric}")
     ax_metric.legend(fontsize=7)
     ax_loss.grid(alpha=0.3)
-    if oof and "prediction" in oof[0] and "target" in oof[0] and "logit_" in ",".join(oof[0]):
-        _confusion(ax_oof, oof)
-    elif oof and "prediction" in oof[0]:
-        target = [c for c in oof[0] if c not in ("id", "fold", "prediction")][0]
-        xs, ys = [float(r[target]) for r in oof], [float(r["prediction"]) for r in oof]
-        ax_oof.scatter(xs, ys, s=6, alpha=0.5, c=[int(r["fold"]) for r in oof], cmap="tab10", vmin=0, vmax=9)
-        lo, hi = min(xs + ys), max(xs + ys)
-        ax_oof.plot([lo, hi], [lo, hi], color="k", lw=0.8)
-        ax_oof.set_xlabel(f"target ({target})")
-        ax_oof.set_ylabel("out-of-fold prediction")
-        ax_oof.grid(alpha=0.3)
-    else:
-        ax_oof.set_axis_off()
+    _out_of_fold(ax_oof, summary, oof)
     if summary:
         fig.suptitle(
             f"{name}: {metric} {summary['mean']:.4f} ± {summary['std']:.4f} over {len(summary['folds'])} fold(s)",
@@ -170,17 +176,65 @@ def finetune_figure(
     return fig
 
 
-def _confusion(ax: Any, oof: list[dict[str, str]]) -> None:
-    labels = sorted({r["target"] for r in oof} | {r["prediction"] for r in oof})
+def _out_of_fold(ax: Any, summary: dict[str, Any] | None, oof: list[dict[str, str]]) -> None:
+    """The right panel, by the run's task: the confusion matrix of a classification's or multiple choice's
+    out-of-fold predictions, a regression's predictions against its targets, each entity type's F1, or how the
+    questions' F1 spreads; empty where there is nothing of these (an embedding model's run)."""
+    task = (summary or {}).get("task")
+    columns = [c for c in (oof[0] if oof else {}) if c not in ("id", "fold", "prediction")]
+    if task == "token-classification" and summary:
+        _entity_f1(ax, summary.get("out_of_fold", {}))
+    elif task == "question-answering" and oof:
+        _answer_f1(ax, oof)
+    elif oof and "prediction" in oof[0] and (task == "multiple-choice" or "logit_" in ",".join(columns)):
+        _confusion(ax, oof, columns[0])
+    elif oof and "prediction" in oof[0] and task in (None, "regression"):
+        xs, ys = [float(r[columns[0]]) for r in oof], [float(r["prediction"]) for r in oof]
+        ax.scatter(xs, ys, s=6, alpha=0.5, c=[int(r["fold"]) for r in oof], cmap="tab10", vmin=0, vmax=9)
+        lo, hi = min(xs + ys), max(xs + ys)
+        ax.plot([lo, hi], [lo, hi], color="k", lw=0.8)
+        ax.set_xlabel(f"target ({columns[0]})")
+        ax.set_ylabel("out-of-fold prediction")
+        ax.grid(alpha=0.3)
+    else:
+        ax.set_axis_off()
+
+
+def _entity_f1(ax: Any, scores: dict[str, float]) -> None:
+    types = sorted(k[3:] for k in scores if k.startswith("f1_"))
+    ax.barh(types, [scores[f"f1_{t}"] for t in types], color="C0")
+    if "f1" in scores:
+        ax.axvline(scores["f1"], color="k", lw=0.8, label=f"all types: {scores['f1']:.3f}")
+        ax.legend(fontsize=7)
+    ax.set_xlim(0, 1)
+    ax.set_xlabel("out-of-fold entity F1")
+    ax.tick_params(axis="y", labelsize=7)
+    ax.grid(alpha=0.3, axis="x")
+
+
+def _answer_f1(ax: Any, oof: list[dict[str, str]]) -> None:
+    """Each question's F1 against its best true answer (answers.f1, over characters for text without spaces)."""
+    golds = [json.loads(r["answers"]) or [""] for r in oof]
+    chars = without_spaces([g for gs in golds for g in gs] + [r["prediction"] for r in oof])
+    scores = [100 * max(f1(r["prediction"], g, chars) for g in gs) for r, gs in zip(oof, golds, strict=True)]
+    ax.hist(scores, bins=np.linspace(0, 100, 21), color="C0")
+    ax.set_xlabel("out-of-fold F1 of each question")
+    ax.set_ylabel("questions")
+    ax.grid(alpha=0.3)
+
+
+def _confusion(ax: Any, oof: list[dict[str, str]], target: str) -> None:
+    labels = sorted({r[target] for r in oof} | {r["prediction"] for r in oof})
     index = {c: i for i, c in enumerate(labels)}
     counts = np.zeros((len(labels), len(labels)), np.int64)
     for r in oof:
-        counts[index[r["target"]], index[r["prediction"]]] += 1
+        counts[index[r[target]], index[r["prediction"]]] += 1
     ax.imshow(counts, cmap="Blues")
     for (i, j), n in np.ndenumerate(counts):
         if n:
-            ax.text(j, i, str(n), ha="center", va="center", fontsize=7, color="w" if n > counts.max() / 2 else "k")
+            dark = n > (counts.min() + counts.max()) / 2  # the colour scale runs from the least count to the most
+            ax.text(j, i, str(n), ha="center", va="center", fontsize=7, color="w" if dark else "k")
     ax.set_xticks(range(len(labels)), labels, rotation=45, ha="right", fontsize=7)
     ax.set_yticks(range(len(labels)), labels, fontsize=7)
     ax.set_xlabel("out-of-fold prediction")
-    ax.set_ylabel("target")
+    ax.set_ylabel(f"target ({target})")
