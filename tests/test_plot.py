@@ -100,6 +100,18 @@ def test_the_out_of_fold_panel_of_choices_entities_and_answers():
                                   np.histogram(expected, bins=np.linspace(0, 100, 21))[0])  # fmt: skip
 
 
+def test_the_out_of_fold_panel_of_an_embedding_model():
+    curves = {"fold-0": [{"step": 5, "loss": 1.0}, {"step": 10, "valid_spearman": 0.5}]}
+    summary = {"task": "embedding", "metric": "spearman", "mean": 0.5, "std": 0.0, "folds": [{}]}
+    scored = [{"id": str(i), "fold": "0", "score": str(i / 2), "cosine": str(0.1 * i)} for i in range(6)]
+    points = finetune_figure("run", curves, summary, scored).axes[1].collections[0].get_offsets()
+    np.testing.assert_allclose(points, [[i / 2, 0.1 * i] for i in range(6)])
+    positives = [{"id": str(i), "fold": "0", "score": "1", "cosine": str(c)} for i, c in enumerate([0.12, 0.13, 0.9])]
+    ax = finetune_figure("run", curves, summary, positives).axes[1]
+    counts = [p.get_height() for p in ax.patches]
+    np.testing.assert_array_equal(counts, np.histogram([0.12, 0.13, 0.9], bins=np.linspace(-1, 1, 41))[0])
+
+
 def test_plot_cli_writes_a_png_of_a_run(tmp_path, capsys):
     run = tmp_path / "run"
     run.mkdir()

@@ -178,14 +178,16 @@ def finetune_figure(
 
 def _out_of_fold(ax: Any, summary: dict[str, Any] | None, oof: list[dict[str, str]]) -> None:
     """The right panel, by the run's task: the confusion matrix of a classification's or multiple choice's
-    out-of-fold predictions, a regression's predictions against its targets, each entity type's F1, or how the
-    questions' F1 spreads; empty where there is nothing of these (an embedding model's run)."""
+    out-of-fold predictions, a regression's predictions against its targets, each entity type's F1, how the
+    questions' F1 spreads, or an embedding model's cosines of its validation pairs; empty where there is none."""
     task = (summary or {}).get("task")
     columns = [c for c in (oof[0] if oof else {}) if c not in ("id", "fold", "prediction")]
     if task == "token-classification" and summary:
         _entity_f1(ax, summary.get("out_of_fold", {}))
     elif task == "question-answering" and oof:
         _answer_f1(ax, oof)
+    elif oof and "cosine" in oof[0]:
+        _pair_cosines(ax, oof)
     elif oof and "prediction" in oof[0] and (task == "multiple-choice" or "logit_" in ",".join(columns)):
         _confusion(ax, oof, columns[0])
     elif oof and "prediction" in oof[0] and task in (None, "regression"):
@@ -210,6 +212,21 @@ def _entity_f1(ax: Any, scores: dict[str, float]) -> None:
     ax.set_xlabel("out-of-fold entity F1")
     ax.tick_params(axis="y", labelsize=7)
     ax.grid(alpha=0.3, axis="x")
+
+
+def _pair_cosines(ax: Any, oof: list[dict[str, str]]) -> None:
+    """An embedding model's validation pairs: the cosine of each against its score (scored pairs), or how the
+    cosines of positive pairs spread (pairs of a text and its positive, each scored 1)."""
+    cosines, scores = [float(r["cosine"]) for r in oof], [float(r["score"]) for r in oof]
+    if len(set(scores)) > 1:
+        ax.scatter(scores, cosines, s=6, alpha=0.5)
+        ax.set_xlabel("score")
+        ax.set_ylabel("out-of-fold cosine")
+    else:
+        ax.hist(cosines, bins=np.linspace(-1, 1, 41), color="C0")
+        ax.set_xlabel("out-of-fold cosine of each pair")
+        ax.set_ylabel("pairs")
+    ax.grid(alpha=0.3)
 
 
 def _answer_f1(ax: Any, oof: list[dict[str, str]]) -> None:
