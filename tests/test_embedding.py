@@ -38,6 +38,9 @@ def test_an_export_encodes_in_sentence_transformers_as_in_bertforge(family, pool
     assert pre.missing_head == [] and pre.model.config.pooling == pooling
     ours = embed(pre, TEXTS)  # several texts to a row where the family allows it
     np.testing.assert_allclose(embed(pre, TEXTS, packed=False), ours, atol=1e-5)  # batches padded by length
+    bertforge.save(pre.model, tmp_path / "export", pre.tokenizer)
+    # Saved again over the first export (its 1_Pooling/ folder included), as a resumed fine-tuning run rewrites
+    # a fold's model folder.
     out = bertforge.save(pre.model, tmp_path / "export", pre.tokenizer)
     st = SentenceTransformer(str(out), device="cpu")
     theirs = st.encode(TEXTS, convert_to_numpy=True)

@@ -60,6 +60,35 @@ def temp_folder_beside(path: Path) -> Path:
     return tmp
 
 
+def move_into(tmp: Path, out: Path) -> None:
+    """Move the whole folder `tmp` to `out`, or, where `out` exists, each of its entries into it (a subfolder
+    replacing the one of its name), with out's config.json taken away first and put back last: a reader of `out`
+    never takes a folder whose files are half replaced for a whole one (transformers reads config.json first)."""
+    if not out.exists():
+        os.replace(tmp, out)
+        return
+    (out / "config.json").unlink(missing_ok=True)
+    for entry in sorted(tmp.iterdir(), key=lambda f: f.name == "config.json"):
+        target = out / entry.name
+        if target.is_dir() and not target.is_symlink():
+            shutil.rmtree(target)  # os.replace moves a folder only onto an empty one
+        elif target.exists() and entry.is_dir():
+            target.unlink()
+        os.replace(entry, target)
+    tmp.rmdir()
+
+
+def copy_folder_into(source: Path, out: Path) -> None:
+    """Copy the folder `source` to `out` through a temporary folder beside it (move_into)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_folder_beside(out)
+    try:
+        shutil.copytree(source, tmp, dirs_exist_ok=True)
+        move_into(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def write_folder_atomic(path: str | Path, fill: Callable[[Path], None]) -> None:
     """Let `fill` write a temporary folder beside `path`, then rename it to `path` (replacing what was there)."""
     path = Path(path)

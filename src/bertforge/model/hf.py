@@ -24,7 +24,7 @@ from safetensors import safe_open
 from safetensors.numpy import save as safetensors_bytes
 
 from bertforge.errors import UserError
-from bertforge.fileio import read_json_object, temp_folder_beside, write_atomic
+from bertforge.fileio import move_into, read_json_object, temp_folder_beside, write_atomic
 from bertforge.model import sentence_folder
 from bertforge.model.architectures import (
     HEADS,
@@ -337,13 +337,7 @@ def save_pretrained(
         for name, text in (extra_files or {}).items():
             (tmp / name).parent.mkdir(parents=True, exist_ok=True)
             write_atomic(tmp / name, text)
-        if not out.exists():
-            os.replace(tmp, out)
-        else:
-            (out / "config.json").unlink(missing_ok=True)
-            for f in sorted(tmp.iterdir(), key=lambda f: f.name == "config.json"):
-                os.replace(f, out / f.name)
-            tmp.rmdir()
+        move_into(tmp, out)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

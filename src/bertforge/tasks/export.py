@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from bertforge import hub, runs
 from bertforge.card import card_files
 from bertforge.config import read_yaml
 from bertforge.errors import UserError
+from bertforge.fileio import copy_folder_into
 from bertforge.model.heads import Model
 from bertforge.model.hf import save_pretrained
 from bertforge.model.load import load_run
@@ -109,7 +109,7 @@ def export_folds(models: list[Path], out: Path) -> str:
     out/fold-K/, as `finetune --hub.repo` pushes them; returns which folds went."""
     names = [m.parent.name for m in models]
     for model, name in zip(models, names, strict=True):
-        shutil.copytree(model, out if len(models) == 1 else out / name, dirs_exist_ok=True)
+        copy_folder_into(model, out if len(models) == 1 else out / name)
     return f"the best model of {', '.join(names)}"
 
 
