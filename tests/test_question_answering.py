@@ -85,7 +85,7 @@ def test_out_of_fold_answers_slice_out_of_their_contexts_and_score_as_squad_does
     folds = {r["id"]: r["fold"] for r in _csv(out / "folds.csv")}
     oof = _csv(out / "oof.csv")
     assert sorted(r["id"] for r in oof) == sorted(i for i, f in folds.items() if f == "0")
-    assert len(folds) == 24 and set(oof[0]) == {"id", "fold", "answers", "prediction", "start", "score"}
+    assert len(folds) == 24 and set(oof[0]) == {"id", "fold", "answers", "prediction", "start", "score", "f1"}
     em, f1 = [], []
     for r in oof:
         context, truth = contexts[r["id"]]
@@ -94,6 +94,7 @@ def test_out_of_fold_answers_slice_out_of_their_contexts_and_score_as_squad_does
         assert json.loads(r["answers"]) == truth
         em.append(max(float(_official_normalize(r["prediction"]) == _official_normalize(t)) for t in truth))
         f1.append(max(_official_f1(r["prediction"], t) for t in truth))
+        assert float(r["f1"]) == pytest.approx(100 * f1[-1], rel=1e-5)  # each question's, as the official script
     summary = json.loads((out / "summary.json").read_text())
     assert summary["metric"] == "f1"
     assert summary["out_of_fold"]["exact_match"] == pytest.approx(100 * np.mean(em))

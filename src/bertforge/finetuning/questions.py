@@ -18,7 +18,7 @@ from bertforge.data.questions import Question, read_questions
 from bertforge.errors import UserError
 from bertforge.finetuning.spans import Span, answers_of
 from bertforge.tokenizer.load import Tokenizer
-from bertforge.train.answers import answer_scores, without_spaces
+from bertforge.train.answers import answer_scores, best_scores, without_spaces
 
 NAME = "question-answering"
 HEAD = "span"
@@ -130,17 +130,21 @@ def prediction_columns(
 def out_of_fold(table: Table, cfg: TableConfig, names: Sequence[str], rows: np.ndarray, outputs: np.ndarray,
                 keys: Sequence[tuple[str, Sequence[Any]]]) -> tuple[list[str], list[list[Any]]]:  # fmt: skip
     """A row per question: its keys (of its first window), its true answers as JSON, the predicted answer, its
-    character start in the context (-1: no answer) and its probability among the n-best."""
+    character start in the context (-1: no answer), its probability among the n-best, and its F1 in percent
+    against the best true answer (as `scores` counts it)."""
     source: Rows = table.source
     order, spans = spans_of(source, rows, outputs)
     first = {}
     for i, r in enumerate(rows):
         first.setdefault(source.windows[int(r)].question, i)
-    header = [name for name, _ in keys] + ["answers", "prediction", "start", "score"]
+    chars = without_spaces([source.questions[q].context for q in order])
+    header = [name for name, _ in keys] + ["answers", "prediction", "start", "score", "f1"]
     body = []
     for q, found in zip(order, spans, strict=True):
-        truth = json.dumps([a.text for a in source.questions[q].answers], ensure_ascii=False)
+        answers = [a.text for a in source.questions[q].answers]
         best = found[0]
         key_values = [column[first[q]] for _, column in keys]
-        body.append([*key_values, truth, best.text, best.start, f"{best.probability:.6g}"])
+        f1 = 100 * best_scores(best.text, answers, chars)[1]
+        truth = json.dumps(answers, ensure_ascii=False)
+        body.append([*key_values, truth, best.text, best.start, f"{best.probability:.6g}", f"{f1:.6g}"])
     return header, body

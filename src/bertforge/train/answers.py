@@ -48,6 +48,12 @@ def without_spaces(texts: Sequence[str]) -> bool:
     return total > 0 and sum(t.count(" ") for t in texts) < total / 40
 
 
+def best_scores(prediction: str, truths: Sequence[str], chars: bool) -> tuple[float, float]:
+    """Exact match and F1 (0 to 1) of one question's answer against the best of its true answers (none: '')."""
+    golds = list(truths) or [""]
+    return max(exact_match(prediction, g) for g in golds), max(f1(prediction, g, chars) for g in golds)
+
+
 def answer_scores(predictions: Sequence[str], truths: Sequence[Sequence[str]], chars: bool) -> dict[str, float]:
     """Exact match and F1 in percent, each question scored against its best true answer (an empty list: the
     question has no answer, scored against ''), with v2.0's split when some questions have no answer."""
@@ -55,9 +61,9 @@ def answer_scores(predictions: Sequence[str], truths: Sequence[Sequence[str]], c
         raise ValueError(f"{len(predictions)} predictions for {len(truths)} questions")
     em, fs, has = [], [], []
     for pred, golds in zip(predictions, truths, strict=True):
-        golds = list(golds) or [""]
-        em.append(max(exact_match(pred, g) for g in golds))
-        fs.append(max(f1(pred, g, chars) for g in golds))
+        e, f = best_scores(pred, golds, chars)
+        em.append(e)
+        fs.append(f)
         has.append(any(golds))
     out = {"exact_match": _percent(em), "f1": _percent(fs)}
     if not all(has):
