@@ -249,4 +249,4 @@ def _confusion(ax: Any, oof: list[dict[str, str]], target: str) -> None:
     ax.set_xticks(range(len(labels)), labels, rotation=45, ha="right", fontsize=7)
     ax.set_yticks(range(len(labels)), labels, fontsize=7)
     ax.set_xlabel("out-of-fold prediction")
-    ax.set_ylabel(f"target ({target})")
+    ax.set_ylabel("target" if target == "target" else f"target ({target})")
