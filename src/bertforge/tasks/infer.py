@@ -163,7 +163,9 @@ def predict_outputs(
     models = [models] if isinstance(models, Pretrained) else list(models)
     how = long_text or LongText(truncation)
     outs = []
-    bar = tqdm(total=len(models) * len(texts), desc="predict", unit="text", disable=not progress, file=sys.stderr)
+    # Several fold models each read every text: the bar says so, or 300 texts would count to 900.
+    desc = "predict" if len(models) == 1 else f"predict ({len(models)} fold models x {len(texts)} texts)"
+    bar = tqdm(total=len(models) * len(texts), desc=desc, unit="text", disable=not progress, file=sys.stderr)
     for pre in models:
         if not isinstance(pre.model, SequenceClassifier) or isinstance(pre.model, ChoiceClassifier):
             raise UserError(f"{pre.folder}: not a sequence-classification model")
