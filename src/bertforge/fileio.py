@@ -78,15 +78,21 @@ def move_into(tmp: Path, out: Path) -> None:
     tmp.rmdir()
 
 
-def copy_folder_into(source: Path, out: Path) -> None:
-    """Copy the folder `source` to `out` through a temporary folder beside it (move_into)."""
+def fill_folder_into(out: Path, fill: Callable[[Path], None]) -> None:
+    """Let `fill` write a temporary folder beside `out`, then move it into `out` (move_into): a crash leaves `out`
+    as it was, and its other files stay."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_folder_beside(out)
     try:
-        shutil.copytree(source, tmp, dirs_exist_ok=True)
+        fill(tmp)
         move_into(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def copy_folder_into(source: Path, out: Path) -> None:
+    """Copy the folder `source` to `out` through a temporary folder beside it (fill_folder_into)."""
+    fill_folder_into(out, lambda tmp: shutil.copytree(source, tmp, dirs_exist_ok=True))
 
 
 def write_folder_atomic(path: str | Path, fill: Callable[[Path], None]) -> None:

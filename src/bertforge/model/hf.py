@@ -12,7 +12,6 @@ import functools
 import json
 import os
 import re
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,7 @@ from safetensors import safe_open
 from safetensors.numpy import save as safetensors_bytes
 
 from bertforge.errors import UserError
-from bertforge.fileio import move_into, read_json_object, temp_folder_beside, write_atomic
+from bertforge.fileio import fill_folder_into, read_json_object, write_atomic
 from bertforge.model import sentence_folder
 from bertforge.model.architectures import (
     HEADS,
@@ -323,22 +322,19 @@ def save_pretrained(
             f"the tokenizer has {tokenizer.vocab_size} tokens but the model's embedding table has only "
             f"{model.config.vocab_size} rows"
         )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_folder_beside(out)
-    try:
+    if head == "embedding":  # a sentence-transformers folder too
+        extra_files = {**sentence_folder.files(model.config, model.config.max_seq_len), **(extra_files or {})}
+
+    def fill(tmp: Path) -> None:
         config = config_to_hf(model.config, head, id2label)
         write_atomic(tmp / "config.json", json.dumps(config, indent=2) + "\n")
         blob = safetensors_bytes(export_weights(model, head), metadata={"format": "pt"})
         write_atomic(tmp / "model.safetensors", blob)
         if tokenizer is not None:
             tokenizer.save(tmp)
-        if head == "embedding":  # a sentence-transformers folder too
-            extra_files = {**sentence_folder.files(model.config, model.config.max_seq_len), **(extra_files or {})}
         for name, text in (extra_files or {}).items():
             (tmp / name).parent.mkdir(parents=True, exist_ok=True)
             write_atomic(tmp / name, text)
-        move_into(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+
+    fill_folder_into(out, fill)
     return out
