@@ -314,6 +314,35 @@ def test_a_fresh_head_starts_as_the_built_model_would_and_the_rest_is_the_checkp
         np.testing.assert_array_equal(value, stored[name if name in stored else name.removeprefix("bert.")])
 
 
+def test_the_parameter_stream_draws_the_keys_of_nnx_streams_eagerly_and_under_a_trace(monkeypatch):
+    from bertforge.model import architectures
+    from bertforge.model.dropout import derive, next_key
+
+    def keys(stream_type, draw=lambda s: s()):
+        stream = stream_type(3, tag="params")
+        drawn = [jax.random.key_data(draw(stream)) for _ in range(4)]
+        return jnp.stack(drawn), stream.count.get_value()
+
+    key = jax.random.key(3)
+    derived = jnp.stack([jax.random.key_data(derive(key, jnp.uint32(i))) for i in range(4)]), 4
+    for run in (lambda f: f(), lambda f: jax.jit(f)()):
+        # nnx's stream folds in its count; dropout's next_key derives from it; both advance it by one a draw.
+        pairs = [(run(lambda: keys(architectures.ParamStream)), keys(nnx.RngStream))]
+        pairs += [(run(lambda: keys(nnx.RngStream, next_key)), derived)]
+        for got, expected in pairs:
+            for x, y in zip(got, expected, strict=True):
+                np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    # A whole model: every parameter and random stream as nnx's own stream would build them.
+    cfg = dataclasses.replace(preset("test"), vocab_size=64)
+    ours = nnx.state(build(cfg, "sequence", num_labels=3, seed=5))
+    monkeypatch.setattr(architectures, "ParamStream", nnx.RngStream)
+    reference = nnx.state(build(cfg, "sequence", num_labels=3, seed=5))
+    for x, y in zip(jax.tree.leaves(ours), jax.tree.leaves(reference), strict=True):
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x, y = jax.random.key_data(x), jax.random.key_data(y)
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
 def test_sinusoidal_position_table_depends_only_on_distance():
     cfg = dataclasses.replace(preset("test"), position_init="sinusoidal")
     sin, normal = build(cfg), build(dataclasses.replace(cfg, position_init="normal"))

@@ -117,13 +117,26 @@ def check_head(head: str) -> None:
         raise ValueError(f"unknown head {head!r} (one of {', '.join(HEADS)})")
 
 
+class ParamStream(nnx.RngStream):
+    """nnx's random stream with its count stored by set_value: the same keys, where `count[...] += 1` under a trace
+    (eval_shape, jit) asks the traced count for its sharding, and that error's message walks the whole trace so far,
+    most of a traced build's time."""
+
+    def __call__(self) -> jax.Array:
+        count = self.count.get_value()
+        key = jax.random.fold_in(self.key.get_value(), count)
+        self.count.set_value(count + 1)
+        return key
+
+
 def build(cfg: ModelConfig, head: str = "mlm", num_labels: int = 1, seed: int = 0) -> Model:
     """A freshly initialised model of cfg's architecture: head 'mlm', 'sequence', 'token', 'span' (start and end
     logits), 'choice' (a score per choice), 'rtd' (a discriminator) or 'embedding' (pooled vectors). `num_labels` is
     the sequence and token heads'."""
     check_head(head)
     arch = family_module(cfg)
-    rngs = nnx.Rngs(params=seed, dropout=seed + 1)
+    rngs = nnx.Rngs(dropout=seed + 1)
+    rngs.params = ParamStream(seed, tag="params")
     encoder = arch.Encoder(cfg, rngs=rngs)
     if head == "mlm":
         return MaskedLM(cfg, encoder, arch.mlm_head(cfg, rngs))

@@ -79,8 +79,9 @@ def split_key(key: jax.Array | None, n: int) -> tuple[jax.Array | None, ...]:
 def next_key(stream: rnglib.RngStream) -> jax.Array:
     """stream(): the stream's next key (its count advances), by derive where nnx's RngStream folds in by
     threefry."""
-    key = derive(stream.key[...], stream.count[...])
-    stream.count[...] += 1
+    count = stream.count.get_value()  # not count[...]: see architectures.ParamStream
+    key = derive(stream.key.get_value(), count)
+    stream.count.set_value(count + 1)
     return key
 
 
