@@ -19,9 +19,10 @@ import jax
 
 def signature(args: tuple, kwargs: dict) -> tuple:
     """What decides which program runs: the arguments' tree, and each leaf's shape, dtype and layout (arrays and
-    ShapeDtypeStructs alike; None where a leaf has no layout yet)."""
+    ShapeDtypeStructs alike; None where a leaf has no layout yet). Taken at every step: dtypes are compared as
+    themselves, where their names cost a step about a millisecond for MiniLM's 317 leaves."""
     leaves, tree = jax.tree.flatten((args, kwargs))
-    return tree, tuple((tuple(x.shape), str(x.dtype), getattr(x, "sharding", None)) for x in leaves)
+    return tree, tuple((tuple(x.shape), x.dtype, getattr(x, "sharding", None)) for x in leaves)
 
 
 def workers() -> int:
