@@ -145,3 +145,18 @@ def test_validation_data_must_offer_as_many_choices(model_dir, tmp_path):
     code = cli(["finetune", "--model", str(model_dir), "--data", str(train), "--valid-data", str(valid),
                 "--out", str(tmp_path / "run"), *FAST])  # fmt: skip
     assert code != 0
+
+
+def test_evaluate_on_the_held_out_questions_gives_the_accuracy_finetune_reported(choice_run, tmp_path):
+    records, out = choice_run
+    held_out = {r["id"] for r in _csv(out / "folds.csv") if r["fold"] == "0"}
+    test = write_jsonl(tmp_path / "held-out.jsonl", [r for r in records if r["id"] in held_out])
+    metrics = tmp_path / "metrics.json"
+    assert cli(["evaluate", "--model", str(out / "fold-0" / "model"), "--data", str(test), "--max-length", "40",
+                "--out", str(metrics)]) == 0  # fmt: skip
+    found = json.loads(metrics.read_text())
+    reported = json.loads((out / "fold-0" / "result.json").read_text())["metrics"]
+    assert found["records"] == len(held_out) and found["accuracy"] == pytest.approx(reported["accuracy"], abs=1e-9)
+    oof = {r["id"]: r for r in _csv(out / "oof.csv")}  # the same model's choices: its accuracy, counted here
+    right = [int(oof[r["id"]]["prediction"]) == r["label"] for r in records if r["id"] in held_out]
+    assert found["accuracy"] == pytest.approx(np.mean(right), abs=1e-12)

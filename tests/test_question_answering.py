@@ -134,3 +134,31 @@ def test_questions_without_an_answer_train_the_null_answer(model_dir, tmp_path):
     assert {"has_answer_f1", "no_answer_f1", "has_answer_exact_match", "no_answer_exact_match"} <= set(summary)
     oof = _csv(out / "oof.csv")
     assert all((r["prediction"] == "") == (r["start"] == "-1") for r in oof)
+
+
+def test_evaluate_on_the_held_out_questions_scores_as_squad_does_and_as_finetune_reported(qa_run, tmp_path):
+    data, out = qa_run
+    held_out = {r["id"] for r in _csv(out / "folds.csv") if r["fold"] == "0"}
+    squad = json.loads(data.read_text())
+    for article in squad["data"]:
+        for p in article["paragraphs"]:
+            p["qas"] = [qa for qa in p["qas"] if qa["id"] in held_out]
+    test = tmp_path / "held-out.json"
+    test.write_text(json.dumps(squad), encoding="utf-8")
+    metrics = tmp_path / "metrics.json"
+    assert cli(["evaluate", "--model", str(out), "--data", str(test), "--out", str(metrics)]) == 0
+    found = json.loads(metrics.read_text())
+    reported = json.loads((out / "fold-0" / "result.json").read_text())["metrics"]
+    assert found["records"] == len(held_out)
+    assert found["f1"] == pytest.approx(reported["f1"], abs=1e-9)
+    assert found["exact_match"] == pytest.approx(reported["exact_match"], abs=1e-9)
+    # The official SQuAD formulas over the out-of-fold answers (the same model on the same questions).
+    oof = _csv(out / "oof.csv")
+    truth = {
+        qa["id"]: [a["text"] for a in qa["answers"]] for a in squad["data"] for p in a["paragraphs"] for qa in p["qas"]
+    }
+    f1 = [max(_official_f1(r["prediction"], t) for t in truth[r["id"]]) for r in oof]
+    em = [
+        max(float(_official_normalize(r["prediction"]) == _official_normalize(t)) for t in truth[r["id"]]) for r in oof
+    ]
+    assert found["f1"] == pytest.approx(100 * np.mean(f1)) and found["exact_match"] == pytest.approx(100 * np.mean(em))

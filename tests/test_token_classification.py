@@ -360,3 +360,49 @@ def test_predict_on_conll_writes_a_tag_per_word(token_run, tmp_path):
     assert [[line.split("\t")[0] for line in s] for s in sentences] == [r["tokens"] for r in records]
     tags = [line.split("\t")[1] for s in sentences for line in s]
     assert set(tags) <= {"O", "B-PLACE", "I-PLACE", "B-TEAM", "I-TEAM"} and set(tags) != {"O"}
+
+
+def test_evaluate_on_a_folds_held_out_sentences_gives_the_entity_scores_finetune_reported(token_run, tmp_path):
+    import csv
+
+    from seqeval.metrics import f1_score
+
+    with open(token_run / "folds.csv", encoding="utf-8") as fh:
+        held_out = {r["id"] for r in csv.DictReader(fh) if r["fold"] == "0"}
+    records = [r for r in tagged_sentences(96, seed=1) if r["id"] in held_out]
+    data = write_jsonl(tmp_path / "held-out.jsonl", records)
+    metrics, conll = tmp_path / "metrics.json", tmp_path / "held-out.conll"
+    # The fold's model folder knows nothing of the run: its length and stride are given as the run had them.
+    folder = token_run / "fold-0" / "model"
+    assert cli(["evaluate", "--model", str(folder), "--data", str(data), "--max-length", "16", "--stride", "4",
+                "--out", str(metrics)]) == 0  # fmt: skip
+    found = json.loads(metrics.read_text())
+    reported = json.loads((token_run / "fold-0" / "result.json").read_text())["metrics"]
+    assert found["records"] == len(records)
+    for key in set(reported) - {"loss"}:
+        assert found[key] == pytest.approx(reported[key], abs=1e-9), key
+    # seqeval on the tags `predict` writes for the same sentences as CoNLL.
+    conll.write_text("".join("\n".join(f"{w}\tO" for w in r["tokens"]) + "\n\n" for r in records), encoding="utf-8")
+    out = tmp_path / "predicted.conll"
+    assert (
+        cli(
+            [
+                "predict",
+                "--model",
+                str(folder),
+                "--data",
+                str(conll),
+                "--out",
+                str(out),
+                "--max-length",
+                "16",
+                "--stride",
+                "4",
+            ]
+        )
+        == 0
+    )
+    predicted = [
+        [line.split("\t")[1] for line in block.splitlines()] for block in out.read_text().split("\n\n") if block.strip()
+    ]
+    assert found["f1"] == pytest.approx(f1_score([r["tags"] for r in records], predicted), abs=1e-9)

@@ -12,6 +12,7 @@ The Python API mirrors the command line:
     bertforge.labels("run")                           # the names of predict's columns
     bertforge.entities("ner-run", ["a text"])         # a token-classification run's entities per text
     bertforge.embed("sentence-folder", ["a text"])    # (N, D) vectors of an embedding model
+    bertforge.evaluate("run", "test.csv")             # the run's metrics on labelled data, as fine-tuning reports them
     bertforge.save(pre.model, "export/", pre.tokenizer)
 """
 
@@ -42,6 +43,7 @@ _API = {
     "labels": ("bertforge.api", "labels"),
     "entities": ("bertforge.api", "entities"),
     "embed": ("bertforge.api", "embed"),
+    "evaluate": ("bertforge.api", "evaluate"),
     "finetune": ("bertforge.api", "finetune"),
     "pretrain": ("bertforge.api", "pretrain"),
 }

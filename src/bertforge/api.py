@@ -113,6 +113,14 @@ def labels(model: str | os.PathLike | Pretrained) -> list[str]:
     return [model.id2label.get(i, str(i)) for i in range(model.model.num_labels)]
 
 
+def evaluate(model: str | os.PathLike, data: str | os.PathLike, **options: Any) -> dict[str, Any]:
+    """A fine-tuning run's or folder's metrics on labelled data, as `bertforge evaluate` gives them; `options` are
+    its flags' fields (text_column="t", target_columns=("label",), max_length=128, out="metrics.json", ...)."""
+    from bertforge.tasks import evaluate as task
+
+    return task.main(task.EvaluateConfig(model=str(model), data=str(data), **options))
+
+
 def finetune(cfg: Any = None, out: str | os.PathLike = "finetune-run", **overrides: Any) -> dict[str, Any]:
     """Fine-tune as `bertforge finetune` does; returns the summary. Keyword arguments override config sections,
     e.g. finetune("configs/finetune/commonlit-minilm.yaml", out="run", model="my-model", train={"epochs": 1})."""

@@ -8,11 +8,10 @@ import dataclasses
 import json
 import os
 import sys
-import traceback
 from collections.abc import Collection, Sequence
 from typing import Any
 
-from bertforge.errors import StorageError, UserError, failed_collective, storage_problem
+from bertforge.errors import report
 from bertforge.flags import Alias, Command, Formatter, Parser, Version, add_flags, build_config, options
 from bertforge.runtime.allocator import NOTE as ALLOCATOR_NOTE
 
@@ -118,6 +117,14 @@ def _evaluate_retrieval(cfg: Any, args: argparse.Namespace) -> int:
     found = retrieve.main(cfg)
     print(" ".join(f"{k} {v:.4f}" for k, v in found.items() if isinstance(v, float)) + f" ({found['queries']} queries, "
           f"{found['documents']} documents)")  # fmt: skip
+    return 0
+
+
+def _evaluate(cfg: Any, args: argparse.Namespace) -> int:
+    from bertforge.tasks import evaluate
+
+    found = evaluate.main(cfg)
+    print(" ".join(f"{k} {v:.4f}" for k, v in found.items() if isinstance(v, float)) + f" ({found['records']} records)")
     return 0
 
 
@@ -233,6 +240,12 @@ COMMANDS: dict[str, Command] = {
         "bertforge.tasks.retrieve:RetrievalConfig",
         _evaluate_retrieval,
     ),
+    "evaluate": Command(
+        "metrics of a fine-tuned model on labelled data, as fine-tuning reports them on its validation data",
+        "bertforge.tasks.evaluate:EvaluateConfig",
+        _evaluate,
+        aliases={"--data-format": "format", "--target-column": Alias("target_columns", sep=",")},
+    ),
     "finetune": Command(
         "fine-tune a sequence, token, span, choice or embedding model with k folds; the same command again resumes",
         "bertforge.tasks.finetune:FinetuneConfig",
@@ -323,42 +336,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     getattr(sys.stdout, "reconfigure", lambda **_: None)(line_buffering=True)
     if _named(argv):
         _compile_once()  # before the stage's module imports JAX: the processes it starts inherit the settings
-    leave_at_once = False
     try:
         cfg, args = parse(argv)
-        code = args.stage.run(cfg, args)
-    except UserError as e:
-        # One line, whatever the message quotes from the input (a column name may hold a newline or U+2028).
-        text = "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in str(e))
-        print(f"error: {text}", file=sys.stderr)
-        code = 2
-        leave_at_once = isinstance(e, StorageError)
-    except OSError as e:
-        refused = storage_problem(e)
-        if refused is None:
-            raise
-        where = f"{e.filename}: " if e.filename else ""
-        print(f"error: {where}{refused[0]}; {refused[1]} and run the same command again", file=sys.stderr)
-        code = 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        code = 130
-    except BaseException as e:
-        if not _in_multiprocess_run():
-            raise
-        lost = failed_collective(e)
-        if lost is None:
-            traceback.print_exc()
-        else:
-            import jax
-
-            print(
-                f"error: process {jax.process_index()} of {jax.process_count()}: a collective with the other "
-                f"processes failed ({lost}); another process has probably stopped, its log says why. Run the same "
-                "command again on every process to continue from the last checkpoint",
-                file=sys.stderr,
-            )
-        code = 1
+        code, leave_at_once = args.stage.run(cfg, args), False
+    except BaseException as e:  # noqa: BLE001 (report re-raises what it does not turn into a line)
+        code, leave_at_once = report(e, _in_multiprocess_run())
     if leave_at_once or (code not in (0, 143) and _in_multiprocess_run()):
         # Leave at once: a normal exit waits at JAX's shutdown barrier for processes that, stuck in a collective
         # with this one, never come. Gone, this process stops sending heartbeats and the others stop too. After a

@@ -1,8 +1,11 @@
-"""The one exception type for mistakes a user can make: the CLI prints its message on one line and exits 2."""
+"""The one exception type for mistakes a user can make: the CLI prints its message on one line and exits 2. And how
+the CLI reports every failure: one line where it can say what went wrong, a traceback where it cannot."""
 
 import errno
 import os
 import re
+import sys
+import traceback
 
 
 class UserError(Exception):
@@ -50,3 +53,33 @@ def failed_collective(e: BaseException) -> str | None:
     died mid-step), else None."""
     text = str(e)
     return " ".join(text.split()) if _COLLECTIVE_FAILURES.search(text) else None
+
+
+def report(e: BaseException, multiprocess: bool) -> tuple[int, bool]:
+    """The exit code for `e`, after its line (or traceback) on stderr, and whether the process leaves at once; called
+    while `e` is handled, it re-raises what no line describes in a single-process run."""
+    if isinstance(e, UserError):
+        # One line, whatever the message quotes from the input (a column name may hold a newline or U+2028).
+        text = "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in str(e))
+        print(f"error: {text}", file=sys.stderr)
+        return 2, isinstance(e, StorageError)
+    refused = storage_problem(e) if isinstance(e, OSError) else None
+    if refused is not None:
+        where = f"{e.filename}: " if isinstance(e, OSError) and e.filename else ""
+        print(f"error: {where}{refused[0]}; {refused[1]} and run the same command again", file=sys.stderr)
+        return 2, False
+    if isinstance(e, KeyboardInterrupt):
+        print("interrupted", file=sys.stderr)
+        return 130, False
+    if not multiprocess or isinstance(e, OSError):
+        raise e
+    lost = failed_collective(e)
+    if lost is None:
+        traceback.print_exc()
+    else:
+        import jax
+
+        print(f"error: process {jax.process_index()} of {jax.process_count()}: a collective with the other processes "
+              f"failed ({lost}); another process has probably stopped, its log says why. Run the same command again "
+              "on every process to continue from the last checkpoint", file=sys.stderr)  # fmt: skip
+    return 1, False

@@ -40,10 +40,10 @@ def label_names(pre: Pretrained) -> list[str]:
 
 def document_entities(
     models: Sequence[Pretrained], settings: dict[str, Any], docs: Sequence[Document], max_length: int | None,
-    batch_size: int,
+    batch_size: int, stride: int | None = None,
 ) -> tuple[list[list[dict[str, Any]]], list[np.ndarray], list[windows.Units]]:  # fmt: skip
     """Each document's entities, (U, L) unit outputs and units; the run's length and stride where none is given."""
-    stride = int(settings.get("stride", 32))
+    stride = int(stride or settings.get("stride", 32))
     outputs, units = document_predictions(models, docs, run_limit(models, settings, max_length), stride, batch_size)
     names = label_names(models[0])
     found = [tokens.entities(d.text, u, o, names) for d, u, o in zip(docs, units, outputs, strict=True)]
@@ -53,7 +53,7 @@ def document_entities(
 def predict_tokens(models: Sequence[Pretrained], settings: dict[str, Any], cfg: Any) -> list[list[dict[str, Any]]]:
     """Write cfg.out for cfg.data (infer.PredictConfig); returns each document's entities."""
     docs = read_documents(cfg.data, cfg.format, labelled=False)
-    found, outputs, units = document_entities(models, settings, docs, cfg.max_length, cfg.batch_size)
+    found, outputs, units = document_entities(models, settings, docs, cfg.max_length, cfg.batch_size, cfg.stride)
     if data_format(cfg.data, cfg.format) == "conll":
         text = _conll(docs, units, outputs, label_names(models[0]))
     else:
