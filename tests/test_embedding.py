@@ -281,3 +281,14 @@ def test_a_pooling_path_outside_the_folder_is_refused(tmp_path):
     (tmp_path / "m" / "modules.json").write_text(json.dumps(modules))
     with pytest.raises(bertforge.errors.UserError, match="leaves the folder"):
         read_pooling(tmp_path / "m")
+
+
+def test_evaluate_gives_the_retrieval_scores_finetune_reported_on_the_same_pairs(embedding_run, tmp_path):
+    out, valid = embedding_run
+    metrics = tmp_path / "metrics.json"
+    assert cli(["evaluate", "--model", str(out), "--data", str(valid), "--out", str(metrics)]) == 0
+    found = json.loads(metrics.read_text())
+    reported = json.loads((out / "fold-0" / "result.json").read_text())["metrics"]
+    assert found["records"] == 24 and set(found) - {"records"} == set(reported) - {"loss"}
+    for key in set(found) - {"records"}:
+        assert found[key] == pytest.approx(reported[key], abs=1e-6), key
