@@ -124,7 +124,8 @@ def _evaluate(cfg: Any, args: argparse.Namespace) -> int:
     from bertforge.tasks import evaluate
 
     found = evaluate.main(cfg)
-    print(" ".join(f"{k} {v:.4f}" for k, v in found.items() if isinstance(v, float)) + f" ({found['records']} records)")
+    shown = (f"{k} {'undefined' if v is None else f'{v:.4f}'}" for k, v in found.items() if k != "records")
+    print(" ".join(shown) + f" ({found['records']} records)")
     return 0
 
 

@@ -231,6 +231,30 @@ def test_any_bytes_as_a_training_table(data, model_dir, capsys, tally):
     shutil.rmtree(tmp)
 
 
+@settings(max_examples=6)  # an example that reads compiles its lengths
+@given(data=st.binary(max_size=2000), tags=st.booleans())
+@example(data=b"text,target\n,1.5\nabc,nan\n", tags=False)
+@example(data=b"text,target\nriver city,1.5\n", tags=False)
+@example(data=b"text,target\nriver city,1.5\ncity,0.5\ncity,0.5\n", tags=False)
+@example(data=b'{"tokens": ["a", "b"], "tags": ["B-X", "O"]}\n', tags=True)
+@example(data=b'{"tokens": ["a", "b"], "tags": ["B-X", "I-Y"]}\n{"tokens": []', tags=True)
+def test_any_bytes_as_evaluation_data(data, tags, classifier, tagger, capsys, tally):
+    tally("hostile")
+    tmp = scratch()
+    path = tmp / ("test.jsonl" if tags else "test.csv")
+    path.write_bytes(data)
+    model = tagger if tags else classifier
+    code, err = outcome(["evaluate", "--model", str(model), "--data", str(path), "--max-length", "16",
+                         "--out", str(tmp / "metrics.json")], capsys)  # fmt: skip
+    if code == 2:
+        assert str(path) in err, err
+        assert not (tmp / "metrics.json").exists()
+    else:  # strict JSON: an undefined correlation (one record, or outputs that do not vary) is null, not NaN
+        found = json.loads((tmp / "metrics.json").read_text(), parse_constant=lambda c: pytest.fail(c))
+        assert all(v is None or np.isfinite(v) for v in found.values()), found
+    shutil.rmtree(tmp)
+
+
 @given(data=st.binary(max_size=2000), scored=st.booleans())
 @example(data=b"query,passage,score\nq,p,nan\n", scored=True)
 @example(data=b'query,passage,score\n"a\nb",\xc3\x28,1\n', scored=False)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -73,10 +74,13 @@ def main(cfg: EvaluateConfig) -> dict[str, Any]:
     if not len(table):
         raise UserError(f"{cfg.data}: nothing to evaluate (no row of the task's data)")
     outputs = np.mean([record_outputs(task, pre, table, limit, cfg.batch_size) for pre in models], axis=0)
-    found: dict[str, Any] = task.scores(outputs, records_of(table).targets, names, table.source)
+    scores = task.scores(outputs, records_of(table).targets, names, table.source)
+    # A correlation of fewer than two records, or of outputs that do not vary, is undefined: None (JSON's null), as
+    # JSON has no NaN.
+    found: dict[str, Any] = {k: v if math.isfinite(v) else None for k, v in scores.items()}
     found["records"] = records(data)
     if cfg.out:
-        write_atomic(cfg.out, json.dumps(found, indent=2) + "\n")
+        write_atomic(cfg.out, json.dumps(found, indent=2, allow_nan=False) + "\n")
     return found
 
 
