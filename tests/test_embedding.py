@@ -193,6 +193,8 @@ def test_finetune_similarity_scores_spearman_of_the_cosines(model_dir, tmp_path)
 
     expected = spearmanr(cosines(q, p), [float(r["score"]) for r in rows]).statistic
     assert summary["metric"] == "spearman" and summary["folds"][0]["score"] == pytest.approx(expected, abs=1e-4)
+    # `evaluate` on the same pairs: scipy's Spearman of the cosines too.
+    assert bertforge.evaluate(out, valid)["spearman"] == pytest.approx(expected, abs=1e-4)
 
 
 @pytest.mark.parametrize(
