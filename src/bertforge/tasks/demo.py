@@ -22,7 +22,7 @@ from bertforge.data.builtin import stdlib_docstrings, stdlib_module_task, write_
 from bertforge.model.config import preset
 from bertforge.model.hf import Pretrained, save_pretrained
 from bertforge.model.load import load_model, load_models, load_run
-from bertforge.tasks import finetune, infer, init, preprocess, pretrain
+from bertforge.tasks import evaluate, finetune, infer, init, preprocess, pretrain
 from bertforge.tasks.init import InitConfig
 from bertforge.tokenizer.train import train_tokenizer
 
@@ -90,15 +90,18 @@ def _folds(run: int, k: int) -> str:
     return f"{k} folds" if run == k else f"{run} of {k} folds"
 
 
-def _predict(run: Path, test: list[dict[str, str]], out: Path) -> float:
-    """Predictions of a run's folds (averaged) on the held-out rows, written to `out`; returns their accuracy."""
+def _predict(run: Path, test: list[dict[str, str]], test_csv: Path, out: Path) -> float:
+    """Predictions of a run's folds (averaged) on the held-out rows, written to `out`; returns their accuracy, which
+    `bertforge evaluate` gives, with the rest of its metrics, on the held-out table."""
     models, settings = load_models(str(run))
     logits = infer.run_outputs(models, settings, [r["text"] for r in test], None, 64, None, None)
     names = settings["labels"]
     predicted = [names[i] for i in np.argmax(logits, axis=1)]
     body = [[r["id"], r["module"], p] for r, p in zip(test, predicted, strict=True)]
     tabular.write_csv(str(out), ["id", "module", "prediction"], body)
-    return float(np.mean([r["module"] == p for r, p in zip(test, predicted, strict=True)]))
+    found = evaluate.main(evaluate.EvaluateConfig(model=str(run), data=str(test_csv), batch_size=64))
+    print(" ".join(f"{k} {v:.3f}" for k, v in found.items() if isinstance(v, float)) + f" -> {out}")
+    return float(found["accuracy"])
 
 
 def main(cfg: DemoConfig) -> dict[str, Any]:
@@ -248,9 +251,8 @@ def _finetune_and_predict(
         summary = _finetune(cfg, model, out / "task" / "train.csv", run, lr, folds)
         timings[f"fine-tune {name}"] = time.perf_counter() - t
         models = f"the {folds} fold models" if folds > 1 else "the fold model"
-        t = _stage(f"predict the {len(test)} held-out docstrings with {models} of {name}")
-        accuracy = _predict(run, test, run / "predictions.csv")
-        print(f"accuracy {accuracy:.3f} -> {run / 'predictions.csv'}")
+        t = _stage(f"predict and evaluate the {len(test)} held-out docstrings with {models} of {name}")
+        accuracy = _predict(run, test, out / "task" / "test.csv", run / "predictions.csv")
         timings[f"predict {name}"] = time.perf_counter() - t
         results.append((name, summary, accuracy, run))
     return results
