@@ -63,9 +63,8 @@ def report(e: BaseException, multiprocess: bool) -> tuple[int, bool]:
         text = "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in str(e))
         print(f"error: {text}", file=sys.stderr)
         return 2, isinstance(e, StorageError)
-    refused = storage_problem(e) if isinstance(e, OSError) else None
-    if refused is not None:
-        where = f"{e.filename}: " if isinstance(e, OSError) and e.filename else ""
+    if isinstance(e, OSError) and (refused := storage_problem(e)) is not None:
+        where = f"{e.filename}: " if e.filename else ""
         print(f"error: {where}{refused[0]}; {refused[1]} and run the same command again", file=sys.stderr)
         return 2, False
     if isinstance(e, KeyboardInterrupt):

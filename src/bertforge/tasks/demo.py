@@ -19,10 +19,11 @@ import numpy as np
 from bertforge.config import from_dict
 from bertforge.data import tabular
 from bertforge.data.builtin import stdlib_docstrings, stdlib_module_task, write_stdlib_corpus
+from bertforge.finetuning import classification
 from bertforge.model.config import preset
 from bertforge.model.hf import Pretrained, save_pretrained
 from bertforge.model.load import load_model, load_models, load_run
-from bertforge.tasks import evaluate, finetune, infer, init, preprocess, pretrain
+from bertforge.tasks import finetune, infer, init, preprocess, pretrain
 from bertforge.tasks.init import InitConfig
 from bertforge.tokenizer.train import train_tokenizer
 
@@ -90,17 +91,17 @@ def _folds(run: int, k: int) -> str:
     return f"{k} folds" if run == k else f"{run} of {k} folds"
 
 
-def _predict(run: Path, test: list[dict[str, str]], test_csv: Path, out: Path) -> float:
-    """Predictions of a run's folds (averaged) on the held-out rows, written to `out`; returns their accuracy, which
-    `bertforge evaluate` gives, with the rest of its metrics, on the held-out table."""
+def _predict(run: Path, test: list[dict[str, str]], out: Path) -> float:
+    """Predictions of a run's folds (averaged) on the held-out rows, written to `out`, and scored as fine-tuning and
+    `bertforge evaluate` score a classification (accuracy, macro F1, AUC); returns their accuracy."""
     models, settings = load_models(str(run))
     logits = infer.run_outputs(models, settings, [r["text"] for r in test], None, 64, None, None)
     names = settings["labels"]
     predicted = [names[i] for i in np.argmax(logits, axis=1)]
     body = [[r["id"], r["module"], p] for r, p in zip(test, predicted, strict=True)]
     tabular.write_csv(str(out), ["id", "module", "prediction"], body)
-    found = evaluate.main(evaluate.EvaluateConfig(model=str(run), data=str(test_csv), batch_size=64))
-    print(" ".join(f"{k} {v:.3f}" for k, v in found.items() if isinstance(v, float)) + f" -> {out}")
+    found = classification.scores(logits, np.array([names.index(r["module"]) for r in test]), names)
+    print(" ".join(f"{k} {v:.3f}" for k, v in found.items()) + f" -> {out}")
     return float(found["accuracy"])
 
 
@@ -252,7 +253,7 @@ def _finetune_and_predict(
         timings[f"fine-tune {name}"] = time.perf_counter() - t
         models = f"the {folds} fold models" if folds > 1 else "the fold model"
         t = _stage(f"predict and evaluate the {len(test)} held-out docstrings with {models} of {name}")
-        accuracy = _predict(run, test, out / "task" / "test.csv", run / "predictions.csv")
+        accuracy = _predict(run, test, run / "predictions.csv")
         timings[f"predict {name}"] = time.perf_counter() - t
         results.append((name, summary, accuracy, run))
     return results

@@ -28,11 +28,8 @@ from bertforge.finetuning.pairs import distinct_texts
 from bertforge.model.hf import Pretrained
 from bertforge.model.load import load_models
 from bertforge.tasks.model_outputs import forward_of, outputs_by_length, run_limit
+from bertforge.tasks.predict_tokens import label_names
 
-# A fine-tuned folder without a run names its task by its head; a sequence head is regression with one output, else
-# classification, or multi-label where config.json says so.
-_BY_HEAD = {"token": "token-classification", "span": "question-answering", "choice": "multiple-choice",
-            "embedding": "embedding"}  # fmt: skip
 # Tasks whose outputs are the model's labels (config.json's id2label), which a folder's data is read against.
 _LABELLED = (classification.NAME, tokens.NAME)
 
@@ -100,11 +97,11 @@ def task_for(pre: Pretrained, settings: dict[str, Any], given: str | None) -> Fi
         task = TASKS[given]
     elif settings.get("task"):
         task = TASKS[settings["task"]]
-    elif pre.head in _BY_HEAD:
-        task = TASKS[_BY_HEAD[pre.head]]
+    elif pre.head != regression.HEAD:  # the first task of that head: 'embedding' before 'similarity'
+        task = next(t for t in TASKS.values() if pre.head == t.HEAD)
     elif pre.problem_type == "multi_label_classification":
         task = TASKS[multilabel.NAME]
-    else:
+    else:  # a sequence head: regression with one output, else classification
         task = task_of({}, pre.model.num_labels)
     if pre.head != task.HEAD:
         raise UserError(f"{pre.folder}: a {pre.head} model, not one for {task.NAME}")
@@ -135,7 +132,7 @@ def _read(task: FinetuneTask, pre: Pretrained, settings: dict[str, Any], cfg: Ta
     folder's config.json labels, or else what the data itself gives (regression's target columns, choices)."""
     known = settings.get("labels")
     if not known and task.NAME in _LABELLED:
-        known = [pre.id2label.get(j, str(j)) for j in range(pre.model.num_labels)]
+        known = label_names(pre)
     if known:
         return list(known), task.read(cfg.train, cfg, list(known))
     data = task.read(cfg.train, cfg, None)

@@ -43,7 +43,7 @@ def document_entities(
     batch_size: int, stride: int | None = None,
 ) -> tuple[list[list[dict[str, Any]]], list[np.ndarray], list[windows.Units]]:  # fmt: skip
     """Each document's entities, (U, L) unit outputs and units; the run's length and stride where none is given."""
-    stride = int(stride or settings.get("stride", 32))
+    stride = int(stride if stride is not None else settings.get("stride", 32))
     outputs, units = document_predictions(models, docs, run_limit(models, settings, max_length), stride, batch_size)
     names = label_names(models[0])
     found = [tokens.entities(d.text, u, o, names) for d, u, o in zip(docs, units, outputs, strict=True)]
