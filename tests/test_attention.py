@@ -124,6 +124,48 @@ def test_custom_with_dropout_equals_explicit(window):
     assert np.abs(np.asarray(runs["custom"][0]) - np.asarray(undropped)).max() > 0.1  # the dropout did drop
 
 
+def dot_operands(jaxpr) -> list[tuple[str, ...]]:
+    """The operand dtypes of every dot_general in a jaxpr, those of its nested jaxprs (custom_vjp, pjit) too."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            found.append(tuple(str(x.aval.dtype) for x in eqn.invars))
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    found += dot_operands(inner)
+    return found
+
+
+@pytest.mark.parametrize("rate", [0.0, 0.1])
+@pytest.mark.parametrize("name", ["custom", "explicit"])
+def test_attention_multiplies_in_the_compute_dtype_forward_and_backward(name, rate):
+    # The projections hand attention float32; in a bfloat16 model each of its products, the backward's too, runs
+    # in bfloat16 (`explicit` ran all six in float32: float32 GEMMs in the bf16 step of an H200's profile).
+    q, k, v, mask, d_out = inputs()
+    dropout = Dropout(rate, rngs=nnx.Rngs(dropout=0)) if rate else None
+    key = jax.random.key(3) if rate else None
+    fn = lambda q, k, v, m: attn.attend(q, k, v, m, name, "bfloat16", dropout=dropout, key=key)  # noqa: E731
+
+    def loss(q, k, v):
+        return jnp.sum(fn(q, k, v, mask).astype(jnp.float32) * d_out)
+
+    dots = dot_operands(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v).jaxpr)
+    assert len(dots) >= 6 and set(dots) == {("bfloat16", "bfloat16")}
+    if rate:
+        return
+    # The numbers: the float32 formula from the same bfloat16-rounded inputs, within one bfloat16 rounding of the
+    # outputs and gradients (tolerances as in test_cudnn_equals_the_formula_with_padding); no loss on the filler
+    # row, whose q and k gradients differ by design (assert_matches).
+    seen = np.broadcast_to((np.asarray(LENGTHS) > 0)[:, None], (B, T))
+    d_out = d_out * jnp.asarray(seen, d_out.dtype)[..., None, None]
+    low = [x.astype(jnp.bfloat16).astype(jnp.float32) for x in (q, k, v)]
+    out, grads = forward_and_grads(fn, *low, mask, d_out)
+    want, want_grads = forward_and_grads(formula, *low, mask, d_out)
+    assert_seen_close(out, grads, want, want_grads, seen)
+
+
 @pytest.mark.parametrize("rate", [0.0, 0.3])
 def test_a_score_bias_receives_its_gradient(rate):
     # DeBERTa's relative scores enter as a full (B, N, Q, T) bias, with their own scale on q: the hand-written

@@ -209,6 +209,28 @@ def _pad_to_even(x: jax.Array) -> jax.Array:
     return jnp.pad(x, ((0, 0), (0, x.shape[1] % 2), (0, 0), (0, 0)))
 
 
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def mixed_einsum(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
+    """jnp.einsum(spec, a, b) of two operands of one dtype, accumulated in and returned as float32. As in
+    layers.mixed_matmul, its backward rounds the cotangent to their dtype first, so that in bf16 both backward
+    products run in bf16 too: automatic differentiation would multiply the float32 cotangent by an operand cast up
+    to float32. In float32 it is the plain einsum, forward and backward."""
+    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+
+
+def _mixed_einsum_fwd(spec, a, b):
+    return mixed_einsum(spec, a, b), (a, b)
+
+
+def _mixed_einsum_bwd(spec, res, g):
+    a, b = res
+    _, vjp = jax.vjp(lambda a, b: jnp.einsum(spec, a, b, preferred_element_type=a.dtype), a, b)
+    return vjp(g.astype(a.dtype))
+
+
+mixed_einsum.defvjp(_mixed_einsum_fwd, _mixed_einsum_bwd)
+
+
 def explicit_attention(
     q: jax.Array,
     k: jax.Array,
@@ -226,7 +248,7 @@ def explicit_attention(
     scale = q.shape[-1] ** -0.5
     if window is not None:
         mask = mask & band(q.shape[1], k.shape[1], window)  # (B, 1, Q, T)
-    logits = jnp.einsum("bqnh,btnh->bnqt", q, k, preferred_element_type=jnp.float32) * scale  # (B, N, Q, T)
+    logits = mixed_einsum("bqnh,btnh->bnqt", q, k) * scale  # (B, N, Q, T) float32
     probs = jax.nn.softmax(jnp.where(mask, logits, MASK_VALUE), axis=-1)
     if rate := _dropout_rate(dropout, key):
         probs = dropped(probs, keep_mask(key, rate, probs.shape), rate)
@@ -291,10 +313,9 @@ def attend(
     the first tokens of packed texts, whose keys are their own text's span of the row. Shapes as in the module
     docstring."""
     name = choose_attention(requested, jax.default_backend(), key is not None, dtype, q.shape[-1])
-    if name in ("custom", "cudnn"):
-        # Projections come out in float32 (their products accumulate in it); the products here run in the
-        # compute dtype.
-        q, k, v = (x.astype(dtype) for x in (q, k, v))
+    # Projections come out in float32 (their products accumulate in it); the products here run in the compute
+    # dtype, whichever implementation runs them (each keeps its logits and softmax in float32).
+    q, k, v = (x.astype(dtype) for x in (q, k, v))
     if name in ("explicit", "custom"):
         return IMPLEMENTATIONS[name](q, k, v, mask, dropout, key, window=window)
     if name == "cudnn" and (mask.shape[2] > 1 or not prefix):
