@@ -111,7 +111,9 @@ def torch_mlm_batch(ids: np.ndarray, rate: float, seed: int = 1) -> tuple[np.nda
 
 
 # ------------------------------------------------------------------------------------------------------ children
-def run_bertforge_pretrain(part: Part, shape: Shape, attention: str = "auto") -> dict:
+def bertforge_pretrain_step(part: Part, shape: Shape, **model: object) -> tuple:
+    """The part's MLM step compiled for bertforge in bf16, `model` overriding config fields (attention, dropout).
+    -> (compiled step, its arguments (state, ids, lr, key), compile seconds)."""
     import functools
 
     import jax
@@ -124,9 +126,8 @@ def run_bertforge_pretrain(part: Part, shape: Shape, attention: str = "auto") ->
     from bertforge.train.step import StepConfig, TrainState, prediction_capacity, train_step
 
     cfg, _ = config_from_hf(fsa.hf_config(part.arch).to_dict(), part.arch)
-    cfg = dataclasses.replace(cfg, dtype="bfloat16", attention=attention)
-    model = build(cfg, "mlm")
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    cfg = dataclasses.replace(cfg, dtype="bfloat16", **model)
+    graphdef, params, rest = nnx.split(build(cfg, "mlm"), nnx.Param, ...)
     tx = make_optimizer(OptimConfig(lr=1e-4))
     state = TrainState(jnp.int32(0), params, tx.init(params))
     step_cfg = StepConfig(
@@ -136,18 +137,24 @@ def run_bertforge_pretrain(part: Part, shape: Shape, attention: str = "auto") ->
         packed_cls=CLS if part.packed else None,
     )
     step = jax.jit(functools.partial(train_step, graphdef, rest, tx=tx, cfg=step_cfg), donate_argnums=(0,))
-    ids = jnp.asarray(pretraining_batch(cfg.vocab_size, shape, part.packed))
-    lr, key = jnp.float32(1e-4), jax.random.key(0)
+    args = (state, jnp.asarray(pretraining_batch(cfg.vocab_size, shape, part.packed)), jnp.float32(1e-4),
+            jax.random.key(0))  # fmt: skip
     start = time.perf_counter()
-    compiled = step.lower(state, ids, lr, key).compile()
-    compile_s = time.perf_counter() - start
-    state, metrics = compiled(state, ids, lr, key)  # the first run of a program also sets up its kernels
+    compiled = step.lower(*args).compile()
+    return compiled, args, time.perf_counter() - start
+
+
+def run_bertforge_pretrain(part: Part, shape: Shape, attention: str = "auto") -> dict:
+    import jax
+
+    compiled, (state, *batch), compile_s = bertforge_pretrain_step(part, shape, attention=attention)
+    state, metrics = compiled(state, *batch)  # the first run of a program also sets up its kernels
     jax.block_until_ready(metrics["loss"])
     times = []
     with exclusive():
         for _ in range(shape.steps):
             start = time.perf_counter()
-            state, metrics = compiled(state, ids, lr, key)
+            state, metrics = compiled(state, *batch)
             jax.block_until_ready(metrics["loss"])
             times.append(time.perf_counter() - start)
     return {"step_s": float(np.median(times)), "compile_s": compile_s, "loss": float(metrics["loss"]),

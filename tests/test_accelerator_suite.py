@@ -81,3 +81,63 @@ def test_device_tests_read_pytest_summaries():
     assert device_tests.summary(errored)["counts"]["errors"] == 1
     assert device_tests.summary(errored)["failures"] == ["tests/test_arch_modernbert.py"]
     assert device_tests.summary("no tests ran in 0.01s")["counts"] == dict.fromkeys(device_tests.OUTCOMES, 0)
+
+
+def _step_kernels():
+    sys.path.insert(0, str(SUITE.parent))
+    spec = importlib.util.spec_from_file_location("step_kernels", SUITE.parent / "step_kernels.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_step_kernels_sums_a_jax_traces_stream_kernels_once():
+    sk = _step_kernels()
+    meta = [
+        {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/host:CPU"}},
+        {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "pid": 2, "tid": 7, "name": "thread_name", "args": {"name": "Stream #7(Compute)"}},
+        {"ph": "M", "pid": 2, "tid": 8, "name": "thread_name", "args": {"name": "Stream #8(MemcpyD2D)"}},
+        {"ph": "M", "pid": 2, "tid": 9, "name": "thread_name", "args": {"name": "XLA Ops"}},
+    ]
+    kernel = lambda tid, name, ts, dur: {"ph": "X", "pid": 2, "tid": tid, "name": name, "ts": ts, "dur": dur}  # noqa: E731
+    events = [
+        kernel(7, "nvjet_sm90_gemm", 0, 10),  # two steps of: a product, a fusion, and a copy on another stream
+        kernel(7, "loop_add_fusion", 12, 4),
+        kernel(8, "memcpy", 14, 6),  # overlaps the fusion by 2
+        kernel(7, "nvjet_sm90_gemm", 30, 10),
+        kernel(7, "loop_add_fusion", 42, 4),
+        kernel(8, "memcpy", 44, 6),
+        kernel(9, "dot.3", 0, 50),  # the ops line over the same time: not counted again
+        {"ph": "X", "pid": 1, "tid": 1, "name": "PjitFunction", "ts": 0, "dur": 50},
+    ]
+    summary = sk.summarize(sk.device_events({"traceEvents": meta + events}), steps=2)
+    assert summary["source"] == "device streams" and summary["events"] == 6
+    assert summary["kernel_ms"] == pytest.approx(20e-3)  # (10 + 4 + 6) us a step
+    assert summary["busy_ms"] == pytest.approx(18e-3)  # the 2 us of overlap counted once
+    assert summary["kinds"] == pytest.approx({"matmul": 10e-3, "copy": 6e-3, "element-wise": 4e-3})
+    assert [k["name"] for k in summary["top"]] == ["nvjet_sm90_gemm", "memcpy", "loop_add_fusion"]
+    assert summary["top"][0]["calls"] == 1
+
+
+def test_step_kernels_reads_torch_kernels_by_category():
+    sk = _step_kernels()
+    events = [
+        {"ph": "X", "pid": 0, "tid": 1, "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 30},
+        {"ph": "X", "pid": 0, "tid": 7, "cat": "kernel", "name": "cutlass_gemm", "ts": 5, "dur": 20},
+        {"ph": "X", "pid": 0, "tid": 7, "cat": "gpu_memcpy", "name": "Memcpy DtoD", "ts": 26, "dur": 2},
+    ]
+    found, source = sk.device_events({"traceEvents": events})
+    assert source == "device" and [e["name"] for e in found] == ["cutlass_gemm", "Memcpy DtoD"]
+
+
+@pytest.mark.slow  # `make slow`: tiny shapes on the CPU, about 90 s
+def test_step_kernels_smoke_writes_a_row_for_every_variant(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    script = SUITE.parent / "step_kernels.py"
+    subprocess.run([sys.executable, str(script), "--smoke", "--out", str(tmp_path)], check=True, env=env, timeout=600)
+    rows = json.loads((tmp_path / "step_kernels.json").read_text())["rows"]
+    assert [r["variant"] for r in rows] == list(_step_kernels().VARIANTS)
+    assert not [r for r in rows if "failed" in r], rows
+    assert all(r["step_s"] > 0 for r in rows)
+    assert (tmp_path / "step_kernels.png").stat().st_size > 0
