@@ -89,7 +89,7 @@ def worker(args: argparse.Namespace) -> None:
 
     from bertforge.cli import main as cli
     from bertforge.model.hf import load_pretrained
-    from bertforge.tasks import finetune_fold
+    from bertforge.tasks import finetune_fold, fold_eval
     from bertforge.tokenizer.load import Tokenizer
     from bertforge.train import checkpoint, loop
     from bertforge.train.optim import OptimConfig, make_optimizer
@@ -100,7 +100,8 @@ def worker(args: argparse.Namespace) -> None:
     clock.wrap(Tokenizer, "encode_batch", "tokenization")
     clock.wrap(loop, "run", "training steps")
     clock.wrap(finetune_fold, "_batch", "batch building (host)")
-    clock.wrap(finetune_fold, "outputs_by_length", "evaluation")
+    clock.wrap(finetune_fold, "job_step_batch", "batch building (host)")  # packed rows
+    clock.wrap(fold_eval, "outputs_by_length", "evaluation")
     clock.wrap(checkpoint.Checkpoints, "save", "checkpoint saves")
     clock.wrap(checkpoint.Checkpoints, "wait", "checkpoint saves")
     clock.wrap(finetune_fold, "write_model", "model folder")

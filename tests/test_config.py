@@ -92,6 +92,14 @@ def test_wrong_type_is_named():
         from_dict(InitConfig, {"head": "lm"})
 
 
+def test_a_number_given_for_text_is_its_text():
+    # `--folds.run=0` (one fold, as the flag's help writes it) and a column whose name YAML reads as a number.
+    cfg = load_config(FinetuneConfig, overrides=["--folds.run=0", "--data.text_column=2020"])
+    assert cfg.folds.run == "0" and cfg.data.text_column == "2020"
+    with pytest.raises(UserError, match=r"config key 'data.text_column': expected a string, got True"):
+        load_config(FinetuneConfig, overrides=["--data.text_column=true"])
+
+
 def test_invalid_values_are_named():
     with pytest.raises(UserError, match=r"hidden_size 100 is not divisible by num_heads 3"):
         from_dict(ModelConfig, {"hidden_size": 100, "num_heads": 3})

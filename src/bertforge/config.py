@@ -75,6 +75,9 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
         if not isinstance(value, Mapping):
             raise UserError(f"config key '{key}': expected a mapping, got {value!r}")
         return dict(value)
+    if tp is str and isinstance(value, (int, float)) and not isinstance(value, bool):
+        # A number where text is meant (`--folds.run=0`, a column named 2020): YAML read it as a number.
+        return str(value)
     if tp in _PLAIN:
         accepts, expected = _PLAIN[tp]
         if not accepts(value):
