@@ -7,8 +7,8 @@ Parts, each under its own deadline:
 - finetune-deberta: a DeBERTa-v3-base fine-tuning step at 32 x 512 (finetune_step_architectures.py's step);
 - finetune-commonlit: fine-tuning end to end, CommonLit fold 0 with all-MiniLM-L6-v2 (finetune_end_to_end.py's
   settings): bertforge's first run (empty compile cache), the same command again (warm cache), and the Trainer;
-- device-tests: the tests marked gpu (device_tests.py), run first: what only the accelerator computes, against the
-  formula (a CPU skips them).
+- device-tests: the tests marked gpu (device_tests.py), first on the device while the step parts' processes
+  start and compile: what only the accelerator computes, against the formula (a CPU skips them).
 
 Step parts compare bertforge in bf16 with transformers (PyTorch) in bf16 autocast, eager (SDPA attention) and
 torch.compile, each implementation in a fresh process: tokens/s, MFU (model FLOPs of the part's recipe against the
@@ -353,18 +353,19 @@ def run_step_job(job: dict, env: dict, deadline: float, results: Results) -> Non
     print(f"{job['part']:20} {job['implementation']:42} {rows_tokens / out['step_s']:12,.0f} tokens/s", flush=True)
 
 
-def run_steps(args: argparse.Namespace, results: Results) -> None:
+def run_steps(args: argparse.Namespace, results: Results, lock: Path, wait: float = 0.0) -> None:
+    """The step parts' processes, `args.parallel` at once, timing one at a time under `lock`; `wait`: seconds the
+    lock may be held by another part first (added to the deadline)."""
     jobs = step_jobs(args)
     if not jobs:
         return
-    lock = Path(tempfile.mkdtemp()) / "device.lock"
     # No process takes the device's memory ahead (JAX would take 75%), and torch.compile's workers leave cores to
     # the process that is timing its steps.
     env = dict(os.environ, BENCH_DEVICE_LOCK=str(lock), XLA_PYTHON_CLIENT_PREALLOCATE="false",
                TORCHINDUCTOR_COMPILE_THREADS="4", PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")  # fmt: skip
     if args.smoke:
         env.update(BENCH_SMOKE="1", JAX_PLATFORMS="cpu", CUDA_VISIBLE_DEVICES="")
-    deadline = time.perf_counter() + (args.step_deadline or DEADLINES["step"])
+    deadline = time.perf_counter() + (args.step_deadline or DEADLINES["step"]) + wait
     with concurrent.futures.ThreadPoolExecutor(args.parallel) as pool:
         list(pool.map(lambda j: run_step_job(j, env, deadline, results), jobs))
 
@@ -383,11 +384,20 @@ def tiny_model(folder: Path) -> str:
     return str(folder)
 
 
-def run_device_tests(args: argparse.Namespace, results: Results) -> None:
+def tests_deadline(args: argparse.Namespace) -> float:
+    """Seconds the device-tests part may take (0 when it does not run)."""
+    return DEADLINES["tests"] * (3 if args.smoke else 1) if "device-tests" in args.parts else 0.0
+
+
+def run_device_tests(args: argparse.Namespace, results: Results, lock: Path, held: threading.Event) -> None:
+    """The tests marked gpu, holding the device `lock` throughout (`held` is set once it is): the step parts'
+    processes compile meanwhile and time their steps after."""
     if "device-tests" not in args.parts:
+        held.set()
         return
-    timeout = DEADLINES["tests"] * (3 if args.smoke else 1)
-    found = device_tests.run(timeout, accelerator=args.torch_device == "cuda")
+    with exclusive(str(lock)):
+        held.set()
+        found = device_tests.run(tests_deadline(args), accelerator=args.torch_device == "cuda")
     results.add({"part": "device-tests", "implementation": "pytest -m gpu", **found})
     print(f"device-tests done: {found.get('counts', found.get('failed'))}", flush=True)
 
@@ -480,8 +490,14 @@ def main() -> None:
         args.model = args.model or e2e._minilm()
     results = Results(Path(args.out), device, peak, args.smoke)
     start = time.perf_counter()
-    run_device_tests(args, results)
-    run_steps(args, results)
+    lock = Path(tempfile.mkdtemp()) / "device.lock"
+    # The tests run while the step processes start and compile (a minute and more each), not before them.
+    held = threading.Event()
+    with concurrent.futures.ThreadPoolExecutor(1) as side:
+        tests = side.submit(run_device_tests, args, results, lock, held)
+        held.wait()
+        run_steps(args, results, lock, wait=tests_deadline(args))
+        tests.result()
     run_e2e(args, results)
     results.write(plot=True)
     print(f"suite: {time.perf_counter() - start:.0f} s", flush=True)

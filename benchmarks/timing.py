@@ -15,8 +15,9 @@ from collections.abc import Iterator
 
 
 @contextlib.contextmanager
-def exclusive() -> Iterator[None]:
-    path = os.environ.get("BENCH_DEVICE_LOCK")
+def exclusive(path: str | None = None) -> Iterator[None]:
+    """Hold the device lock: `path`, else the one BENCH_DEVICE_LOCK names (none: hold nothing)."""
+    path = path or os.environ.get("BENCH_DEVICE_LOCK")
     if not path:
         yield
         return
