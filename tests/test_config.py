@@ -100,6 +100,16 @@ def test_a_number_given_for_text_is_its_text():
         load_config(FinetuneConfig, overrides=["--data.text_column=true"])
 
 
+def test_a_bad_value_is_blamed_on_where_it_came_from(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("train:\n  batch_size: many\n")
+    with pytest.raises(UserError, match=r"^.*run.yaml: config key 'train.batch_size': expected an integer"):
+        load_config(FinetuneConfig, path)
+    path.write_text("train:\n  batch_size: 8\n")
+    with pytest.raises(UserError, match=r"^config key 'train.epochs': expected a number, got 'two'$"):
+        load_config(FinetuneConfig, path, ["--train.epochs=two"])
+
+
 def test_invalid_values_are_named():
     with pytest.raises(UserError, match=r"hidden_size 100 is not divisible by num_heads 3"):
         from_dict(ModelConfig, {"hidden_size": 100, "num_heads": 3})

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -240,13 +241,25 @@ def load_config_and_data(
     """YAML file (optional) + dotted overrides + `extra` (e.g. CLI flags) -> validated frozen `cls`, and the merged
     plain data it was built from (for callers that must know which keys were given)."""
     data = read_yaml(path) if path else {}
-    data = deep_merge(deep_merge(data, parse_overrides(overrides)), extra or {})
+    given = deep_merge(parse_overrides(overrides), extra or {})
+    data = deep_merge(data, given)
     try:
         return from_dict(cls, data), data
     except UserError as e:
-        if path:
+        key = re.match(r"config key '([^'\[]+)", str(e))
+        if path and not (key and _has_key(given, key.group(1))):  # else the command line gave the value
             raise UserError(f"{path}: {e}") from None
         raise
+
+
+def _has_key(data: Mapping[str, Any], dotted: str) -> bool:
+    """Whether `data` holds the dotted key (`folds.run`)."""
+    node: Any = data
+    for part in dotted.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return False
+        node = node[part]
+    return True
 
 
 def load_config(cls: type[T], path: str | Path | None = None, overrides: Sequence[str] = ()) -> T:
