@@ -141,17 +141,19 @@ def _bertforge(
     summary = json.loads((out / "summary.json").read_text())
     fold_dir = out / f"fold-{0 if args.recipe == 'defaults' else args.fold}"
     records = [json.loads(line) for line in (fold_dir / "metrics.jsonl").read_text().splitlines()]
-    # Time in training steps: every logged window's mean step time (evaluations excluded) times its steps.
-    steps_s, last = 0.0, 0
+    # Time in training steps: every logged window's mean step time (evaluations excluded) times its steps; of it,
+    # the host's making of the batches likewise.
+    steps_s, batches_s, last = 0.0, 0.0, 0
     for r in records:
         if "step_time" in r:
             steps_s += (r["step"] - last) * r["step_time"]
+            batches_s += (r["step"] - last) * r.get("batch_time", 0.0)
             last = r["step"]
     eval_s = sum(r.get("eval_seconds", 0.0) for r in records)
     fold = summary["folds"][0]
     batches = "packed rows" if "texts packed" in proc.stderr else "uniform-length batches"
     return {"score": fold["score"], "wall_s": wall, "fit_s": fold["seconds"], "steps_s": steps_s, "eval_s": eval_s,
-            "batches": batches}  # fmt: skip
+            "batches": batches, "batch_making_s": batches_s}  # fmt: skip
 
 
 def _hf(args: argparse.Namespace, folds_csv: Path, out: Path, timeout: float | None = None) -> dict:

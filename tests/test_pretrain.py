@@ -151,6 +151,25 @@ def test_periodic_work_falls_on_the_steps_offset_plus_multiples(steps, every, of
     assert evaluated == saved == expected
 
 
+def test_each_log_line_says_how_much_of_a_step_went_to_making_its_batch():
+    # A batch that takes 30 ms to make, a step of 10 ms: batch_time is the first, step_time both.
+    from bertforge.train import loop
+
+    def next_batch(_):
+        time.sleep(0.03)
+
+    def step_fn(state, batch, lr):
+        time.sleep(0.01)
+        return state, {"finite": True, "loss": 1.0}
+
+    lines = []
+    loop.run(None, step_fn, next_batch=next_batch, lr_at=lambda p: 1.0, budget=loop.Budget(max_steps=4),
+             log=lambda s, m: lines.append(m), log_every=2)  # fmt: skip
+    assert len(lines) == 2
+    for line in lines:  # sleeps may overrun under load, never fall short
+        assert line["batch_time"] >= 0.03 and 0.01 <= line["step_time"] - line["batch_time"] < 0.03, line
+
+
 def test_with_a_shared_clock_a_time_budget_ends_alike_whatever_the_local_clock():
     # As the processes of one run see it: their own clocks run apart, and process 0's is shared at each log boundary.
     from bertforge.train import loop

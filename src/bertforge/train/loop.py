@@ -163,8 +163,9 @@ def run(
         while not budget.done(step, timer.for_budget()):
             progress = budget.progress(step, timer.for_budget())
             lr = lr_at(progress)
+            began = time.perf_counter()
             batch = next_batch(progress)
-            meter.add(tokens_in(batch) if tokens_in is not None else 0)
+            meter.add(tokens_in(batch) if tokens_in is not None else 0, time.perf_counter() - began)
             state, metrics = _step(step_fn, state, batch, lr, first=step == start_step)
             step += 1
             pending.append(metrics)
@@ -194,12 +195,13 @@ class ThroughputMeter:
         self.start()
 
     def start(self) -> None:
-        self.began, self.steps, self.tokens, self.paused_for = time.perf_counter(), 0, 0, 0.0
+        self.began, self.steps, self.tokens, self.paused_for, self.batching = time.perf_counter(), 0, 0, 0.0, 0.0
 
-    def add(self, tokens: int = 0) -> None:
-        """One step more, of `tokens` tokens."""
+    def add(self, tokens: int = 0, batching: float = 0.0) -> None:
+        """One step more, of `tokens` tokens, whose batch took the host `batching` seconds to make."""
         self.steps += 1
         self.tokens += tokens
+        self.batching += batching
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -210,9 +212,10 @@ class ThroughputMeter:
             self.paused_for += time.perf_counter() - began
 
     def read(self) -> dict[str, float]:
-        """step_time, and with tokens counted tokens_per_s, and with FLOPs per token mfu."""
+        """step_time and batch_time (of it, the host's making of the batch: what the device may wait on while
+        the steps before have finished), and with tokens counted tokens_per_s, and with FLOPs per token mfu."""
         seconds = time.perf_counter() - self.began - self.paused_for  # steps only, not evaluations
-        record = {"step_time": seconds / self.steps}
+        record = {"step_time": seconds / self.steps, "batch_time": self.batching / self.steps}
         if self.tokens:
             record["tokens_per_s"] = self.tokens / seconds
         if self.tokens and self.flops_per_token:
