@@ -143,17 +143,19 @@ def _bertforge(
     records = [json.loads(line) for line in (fold_dir / "metrics.jsonl").read_text().splitlines()]
     # Time in training steps: every logged window's mean step time (evaluations excluded) times its steps; of it,
     # the host's making of the batches likewise.
-    steps_s, batches_s, last = 0.0, 0.0, 0
+    steps_s, batches_s, last, windows = 0.0, 0.0, 0, []
     for r in records:
         if "step_time" in r:
             steps_s += (r["step"] - last) * r["step_time"]
             batches_s += (r["step"] - last) * r.get("batch_time", 0.0)
             last = r["step"]
+            windows.append([r["step"], round(r["step_time"], 5), round(r.get("batch_time", 0.0), 5)])
     eval_s = sum(r.get("eval_seconds", 0.0) for r in records)
     fold = summary["folds"][0]
     batches = "packed rows" if "texts packed" in proc.stderr else "uniform-length batches"
     return {"score": fold["score"], "wall_s": wall, "fit_s": fold["seconds"], "steps_s": steps_s, "eval_s": eval_s,
-            "batches": batches, "batch_making_s": batches_s}  # fmt: skip
+            "batches": batches, "batch_making_s": batches_s,
+            "windows": windows}  # fmt: skip  # [last step, step_time, batch_time] of each log line
 
 
 def _hf(args: argparse.Namespace, folds_csv: Path, out: Path, timeout: float | None = None) -> dict:
