@@ -163,9 +163,7 @@ def run(
         while not budget.done(step, timer.for_budget()):
             progress = budget.progress(step, timer.for_budget())
             lr = lr_at(progress)
-            began = time.perf_counter()
-            batch = next_batch(progress)
-            meter.add(tokens_in(batch) if tokens_in is not None else 0, time.perf_counter() - began)
+            batch = meter.take(functools.partial(next_batch, progress), tokens_in)
             state, metrics = _step(step_fn, state, batch, lr, first=step == start_step)
             step += 1
             pending.append(metrics)
@@ -196,6 +194,13 @@ class ThroughputMeter:
 
     def start(self) -> None:
         self.began, self.steps, self.tokens, self.paused_for, self.batching = time.perf_counter(), 0, 0, 0.0, 0.0
+
+    def take(self, make: Callable[[], Any], tokens_in: Callable[[Any], int] | None) -> Any:
+        """One step more: its batch, from `make()`, timed, and its tokens counted by `tokens_in` when given."""
+        began = time.perf_counter()
+        batch = make()
+        self.add(tokens_in(batch) if tokens_in is not None else 0, time.perf_counter() - began)
+        return batch
 
     def add(self, tokens: int = 0, batching: float = 0.0) -> None:
         """One step more, of `tokens` tokens, whose batch took the host `batching` seconds to make."""
