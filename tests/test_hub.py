@@ -125,6 +125,47 @@ def test_export_pushes_to_a_branch_of_a_private_repository(short_run, tmp_path):
     assert files_holding(tmp_path, TOKEN) == []
 
 
+def assert_half_of(half: Path, full: Path, dtype: str) -> None:
+    """`half`'s weights are `full`'s rounded as torch rounds them to `dtype`, to the bit; config.json says so; and
+    transformers loads the folder in that dtype."""
+    import json
+
+    import torch
+    import transformers
+    from safetensors.torch import load_file
+
+    want, got = load_file(full / "model.safetensors"), load_file(half / "model.safetensors")
+    assert set(got) == set(want)
+    for name, tensor in want.items():
+        assert got[name].dtype == getattr(torch, dtype) and torch.equal(got[name], tensor.to(got[name].dtype)), name
+    assert (half / "model.safetensors").stat().st_size < 0.55 * (full / "model.safetensors").stat().st_size
+    assert json.loads((half / "config.json").read_text())["dtype"] == dtype
+    assert transformers.AutoModel.from_pretrained(half).dtype == getattr(torch, dtype)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_export_writes_the_weights_in_half_precision_and_reads_them_back(short_run, tmp_path, dtype):
+    import numpy as np
+
+    from bertforge.model.hf import load_pretrained, read_weights, save_pretrained, weight_files
+
+    assert cli(["export", str(short_run), "--out", str(tmp_path / "full")]) == 0
+    assert cli(["export", str(short_run), "--out", str(tmp_path / "half"), "--dtype", dtype]) == 0
+    assert_half_of(tmp_path / "half", tmp_path / "full", dtype)
+    # bertforge reads them back as float32 parameters: the rounded values, exactly.
+    loaded = load_pretrained(str(tmp_path / "half")).model
+    again = tmp_path / "again"
+    save_pretrained(loaded, again)
+    for name, value in read_weights(weight_files(again)).items():
+        assert np.array_equal(value, read_weights(weight_files(tmp_path / "half"))[name]), name
+
+
+def test_export_refuses_a_dtype_it_does_not_write(short_run, tmp_path, capsys):
+    assert cli(["export", str(short_run), "--out", str(tmp_path / "x"), "--dtype", "int8"]) == 2
+    assert "--dtype 'int8': one of float32, float16, bfloat16" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
 def test_a_failed_export_push_is_one_line_and_keeps_the_folder(short_run, tmp_path):
     with FakeHub() as hub:
         hub.failures = [True]
@@ -199,6 +240,10 @@ def _export_of_a_finetuning_run(run: Path, tmp_path: Path) -> None:
     assert commit.summary == "bertforge export of partial: the best model of fold-0"
     assert set(commit.files) >= MODEL_FILES and not any(name.startswith("fold-") for name in commit.files)
     assert commit.files["model.safetensors"] == (run / "fold-0" / "model" / "model.safetensors").read_bytes()
+    done = bertforge("export", str(run), "--out", str(tmp_path / "half"), "--dtype", "float16", env=env)
+    assert done.returncode == 0, done.stderr
+    for k in (0, 1):
+        assert_half_of(tmp_path / "half" / f"fold-{k}", run / f"fold-{k}" / "model", "float16")
     done = bertforge("export", str(run), "--out", str(tmp_path / "step"), "--step", "3", env=env)
     assert done.returncode == 2
     assert (

@@ -296,12 +296,22 @@ def _with_overrides(cfg: ModelConfig, overrides: dict[str, Any], source: str) ->
         raise UserError(f"{source}: {e}") from None
 
 
+# What a folder's weights may be written in (config.json's "dtype" says which); they are read back as float32.
+WEIGHT_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": jax.numpy.bfloat16}
+
+
+def weights_blob(tensors: dict[str, np.ndarray], dtype: str = "float32") -> bytes:
+    """model.safetensors' bytes: `tensors` rounded to `dtype` (one of WEIGHT_DTYPES, to nearest, ties to even)."""
+    return safetensors_bytes({k: v.astype(WEIGHT_DTYPES[dtype]) for k, v in tensors.items()}, metadata={"format": "pt"})
+
+
 def save_pretrained(
     model: Model,
     out: str | os.PathLike,
     tokenizer: Tokenizer | None = None,
     id2label: dict[int, str] | None = None,
     extra_files: dict[str, str | bytes] | None = None,
+    dtype: str = "float32",
 ) -> Path:
     """Write a folder that transformers' AutoModelForMaskedLM, AutoModelForSequenceClassification,
     AutoModelForTokenClassification, AutoModelForQuestionAnswering or AutoModelForMultipleChoice (as the model's
@@ -309,7 +319,8 @@ def save_pretrained(
 
     Files are written into a temporary folder and moved into place, so a crash never leaves a half-written export.
     Over an existing folder, its config.json goes first and the new one comes last: a folder caught in between has
-    none, and neither transformers nor bertforge loads it.
+    none, and neither transformers nor bertforge loads it. `dtype` is the weights' (WEIGHT_DTYPES): half of them
+    halves the folder.
     """
     out = Path(out)
     head = model.task
@@ -326,10 +337,9 @@ def save_pretrained(
         extra_files = {**sentence_folder.files(model.config, model.config.max_seq_len), **(extra_files or {})}
 
     def fill(tmp: Path) -> None:
-        config = config_to_hf(model.config, head, id2label)
+        config = {**config_to_hf(model.config, head, id2label), "dtype": dtype}
         write_atomic(tmp / "config.json", json.dumps(config, indent=2) + "\n")
-        blob = safetensors_bytes(export_weights(model, head), metadata={"format": "pt"})
-        write_atomic(tmp / "model.safetensors", blob)
+        write_atomic(tmp / "model.safetensors", weights_blob(export_weights(model, head), dtype))
         if tokenizer is not None:
             tokenizer.save(tmp)
         for name, text in (extra_files or {}).items():

@@ -18,9 +18,9 @@ from bertforge import hub, runs
 from bertforge.card import card_files
 from bertforge.config import read_yaml
 from bertforge.errors import UserError
-from bertforge.fileio import copy_folder_into
+from bertforge.fileio import copy_folder_into, read_json_object, write_atomic
 from bertforge.model.heads import Model
-from bertforge.model.hf import save_pretrained
+from bertforge.model.hf import WEIGHT_DTYPES, read_weights, save_pretrained, weight_files, weights_blob
 from bertforge.model.load import load_run
 from bertforge.tokenizer.load import Tokenizer
 from bertforge.train.metrics_log import read_metrics
@@ -39,9 +39,12 @@ class ExportConfig:
     language: tuple[str, ...] = ()  # the model card's languages (ISO 639-1 codes such as en, ja)
     datasets: tuple[str, ...] = ()  # the model card's datasets (Hub dataset ids)
     license: str = ""  # the model card's license (a Hub license id such as apache-2.0)
+    dtype: str = "float32"  # the weights' dtype in model.safetensors: float32, or float16 or bfloat16 (half the size)
 
     def __post_init__(self) -> None:
         problem = hub.repo_problem(self.push_to_hub) if self.push_to_hub else None
+        if self.dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"--dtype {self.dtype!r}: one of {', '.join(WEIGHT_DTYPES)}")
         if self.part not in ("", "discriminator", "generator"):
             raise ValueError(f"--part {self.part!r}: discriminator or generator")
         if problem is not None:
@@ -56,9 +59,11 @@ def export_pretrained(
     step: int,
     name: str = "",
     card: dict[str, Any] | None = None,
+    dtype: str = "float32",
 ) -> Path:
     """Write pretraining run `run`'s `model` (its state at `step`) into `out`, with a model card and the run's
-    run.json (and where it lies) as bertforge.json. `card` holds the card's language, datasets and license."""
+    run.json (and where it lies) as bertforge.json, its weights in `dtype`. `card` holds the card's language,
+    datasets and license."""
     run = Path(run)
     info = runs.read_info(run) or {}
     provenance = json.dumps({"run": str(run.absolute()), "step": step, **info}, indent=2) + "\n"
@@ -76,7 +81,7 @@ def export_pretrained(
         metrics=("perplexity", "accuracy") if model.task == "mlm" else ("accuracy", "roc_auc"),
         **(card or {}),
     )
-    return save_pretrained(model, out, tokenizer, extra_files={**files, "bertforge.json": provenance})
+    return save_pretrained(model, out, tokenizer, extra_files={**files, "bertforge.json": provenance}, dtype=dtype)
 
 
 def main(cfg: ExportConfig) -> tuple[Path | None, str | None, str]:
@@ -91,7 +96,7 @@ def main(cfg: ExportConfig) -> tuple[Path | None, str | None, str]:
         raise UserError(f"{cfg.run}: {option} is for pretraining runs; a fine-tuning run exports its folds' models")
     with tempfile.TemporaryDirectory(prefix="bertforge-export-") as tmp:
         out = Path(cfg.out) if cfg.out else Path(tmp) / (cfg.push_to_hub.split("/")[-1] or "model")
-        what = _export_checkpoint(cfg, out) if folds is None else export_folds(folds[0], out)
+        what = _export_checkpoint(cfg, out) if folds is None else export_folds(folds[0], out, cfg.dtype)
         url = _push(cfg, out, what) if cfg.push_to_hub else None
     return (Path(cfg.out) if cfg.out else None), url, what
 
@@ -100,17 +105,32 @@ def _export_checkpoint(cfg: ExportConfig, out: Path) -> str:
     pre = load_run(cfg.run, cfg.step, cfg.part)
     assert pre.tokenizer is not None and pre.step is not None
     card = {"language": cfg.language, "datasets": cfg.datasets, "license": cfg.license}
-    export_pretrained(pre.model, pre.tokenizer, cfg.run, out, pre.step, cfg.push_to_hub, card)
+    export_pretrained(pre.model, pre.tokenizer, cfg.run, out, pre.step, cfg.push_to_hub, card, cfg.dtype)
     return f"step {pre.step}"
 
 
-def export_folds(models: list[Path], out: Path) -> str:
+def export_folds(models: list[Path], out: Path, dtype: str = "float32") -> str:
     """Copy a fine-tuning run's fold models (FOLD/model folders) into `out`: one as `out` itself, several each into
-    out/fold-K/, as `finetune --hub.repo` pushes them; returns which folds went."""
+    out/fold-K/, as `finetune --hub.repo` pushes them, their weights in `dtype`; returns which folds went."""
     names = [m.parent.name for m in models]
     for model, name in zip(models, names, strict=True):
-        copy_folder_into(model, out if len(models) == 1 else out / name)
+        dest = out if len(models) == 1 else out / name
+        if dtype == "float32":  # as fine-tuning wrote them
+            copy_folder_into(model, dest)
+            continue
+        with tempfile.TemporaryDirectory(prefix="bertforge-export-") as tmp:
+            copy_folder_into(model, Path(tmp) / "model")
+            recast(Path(tmp) / "model", dtype)
+            copy_folder_into(Path(tmp) / "model", dest)
     return f"the best model of {', '.join(names)}"
+
+
+def recast(folder: Path, dtype: str) -> None:
+    """Rewrite a Hugging Face folder's weights (model.safetensors) in `dtype`, and config.json's dtype to say so."""
+    tensors = read_weights(weight_files(folder))
+    config = read_json_object(folder / "config.json")
+    write_atomic(folder / "model.safetensors", weights_blob(tensors, dtype))
+    write_atomic(folder / "config.json", json.dumps({**config, "dtype": dtype}, indent=2) + "\n")
 
 
 def _push(cfg: ExportConfig, out: Path, what: str) -> str:
