@@ -144,19 +144,28 @@ def bertforge_pretrain_step(part: Part, shape: Shape, **model: object) -> tuple:
     return compiled, args, time.perf_counter() - start
 
 
-def run_bertforge_pretrain(part: Part, shape: Shape, attention: str = "auto") -> dict:
+def timed_steps(compiled, state, batch: list, steps: int) -> tuple:
+    """One untimed step (the first run of a program also sets up its kernels), then `steps` timed ones holding the
+    device. -> (state, the last step's metrics, each timed step's seconds)."""
     import jax
 
-    compiled, (state, *batch), compile_s = bertforge_pretrain_step(part, shape, attention=attention)
-    state, metrics = compiled(state, *batch)  # the first run of a program also sets up its kernels
+    state, metrics = compiled(state, *batch)
     jax.block_until_ready(metrics["loss"])
     times = []
     with exclusive():
-        for _ in range(shape.steps):
+        for _ in range(steps):
             start = time.perf_counter()
             state, metrics = compiled(state, *batch)
             jax.block_until_ready(metrics["loss"])
             times.append(time.perf_counter() - start)
+    return state, metrics, times
+
+
+def run_bertforge_pretrain(part: Part, shape: Shape, attention: str = "auto") -> dict:
+    import jax
+
+    compiled, (state, *batch), compile_s = bertforge_pretrain_step(part, shape, attention=attention)
+    state, metrics, times = timed_steps(compiled, state, batch, shape.steps)
     return {"step_s": float(np.median(times)), "compile_s": compile_s, "loss": float(metrics["loss"]),
             "peak_bytes": jax_peak_bytes(), "jax": jax.__version__}  # fmt: skip
 
@@ -173,7 +182,8 @@ def torch_mlm_model(part: Part, device: str):
     return cls(hf).to(device).train()
 
 
-def run_torch_pretrain(part: Part, shape: Shape, compiled: bool, device: str) -> dict:
+def torch_pretrain_setup(part: Part, shape: Shape, device: str) -> tuple:
+    """transformers' MLM model of the part, its optimizer and its loss on the part's batch: (model, opt, loss_of)."""
     import torch
 
     model = torch_mlm_model(part, device)
@@ -182,10 +192,15 @@ def run_torch_pretrain(part: Part, shape: Shape, compiled: bool, device: str) ->
                             fused=device == "cuda")  # fmt: skip
     inputs, labels = torch_mlm_batch(pretraining_batch(model.config.vocab_size, shape, part.packed), part.rate)
     inputs, labels = (torch.tensor(x, dtype=torch.long, device=device) for x in (inputs, labels))
+    return model, opt, lambda: model(input_ids=inputs, labels=labels).loss
 
+
+def run_torch_pretrain(part: Part, shape: Shape, compiled: bool, device: str) -> dict:
+    import torch
+
+    model, opt, loss_of = torch_pretrain_setup(part, shape, device)
     # torch.compile compiles again at the second call (the optimizer's state is there from then on).
-    timed = torch_timed(model, opt, lambda: model(input_ids=inputs, labels=labels).loss, device, compiled,
-                        warm=3 if compiled else 1, steps=shape.steps)  # fmt: skip
+    timed = torch_timed(model, opt, loss_of, device, compiled, warm=3 if compiled else 1, steps=shape.steps)
     return {**timed, "torch": torch.__version__, "attn_implementation": model.config._attn_implementation}
 
 

@@ -21,7 +21,6 @@ import json
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -120,14 +119,7 @@ def run_jax(part: suite.Part, shape: suite.Shape, overrides: dict, trace_dir: Pa
     import jax
 
     compiled, (state, *batch), compile_s = suite.bertforge_pretrain_step(part, shape, **overrides)
-    state, metrics = compiled(state, *batch)
-    jax.block_until_ready(metrics["loss"])
-    times = []
-    for _ in range(shape.steps):
-        start = time.perf_counter()
-        state, metrics = compiled(state, *batch)
-        jax.block_until_ready(metrics["loss"])
-        times.append(time.perf_counter() - start)
+    state, metrics, times = suite.timed_steps(compiled, state, batch, shape.steps)
     with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
         for _ in range(TRACED_STEPS):
             state, metrics = compiled(state, *batch)
@@ -140,15 +132,7 @@ def run_torch(part: suite.Part, shape: suite.Shape, device: str, trace_dir: Path
     import torch
     from timing import torch_timed
 
-    model = suite.torch_mlm_model(part, device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
-    inputs, labels = suite.torch_mlm_batch(suite.pretraining_batch(model.config.vocab_size, shape, part.packed),
-                                           part.rate)  # fmt: skip
-    inputs, labels = (torch.tensor(x, dtype=torch.long, device=device) for x in (inputs, labels))
-
-    def loss():
-        return model(input_ids=inputs, labels=labels).loss
-
+    model, opt, loss = suite.torch_pretrain_setup(part, shape, device)
     timed = torch_timed(model, opt, loss, device, compiled=False, warm=1, steps=shape.steps)
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device == "cuda":
