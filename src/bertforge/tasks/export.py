@@ -9,7 +9,9 @@ the repository itself, several each into fold-K/. Only finished folds go (those 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -18,7 +20,7 @@ from bertforge import hub, runs
 from bertforge.card import card_files
 from bertforge.config import read_yaml
 from bertforge.errors import UserError
-from bertforge.fileio import copy_folder_into, read_json_object, write_atomic
+from bertforge.fileio import copy_folder_into, fill_folder_into, read_json_object, write_atomic
 from bertforge.model.heads import Model
 from bertforge.model.hf import WEIGHT_DTYPES, read_weights, save_pretrained, weight_files, weights_blob
 from bertforge.model.load import load_run
@@ -117,12 +119,14 @@ def export_folds(models: list[Path], out: Path, dtype: str = "float32") -> str:
         dest = out if len(models) == 1 else out / name
         if dtype == "float32":  # as fine-tuning wrote them
             copy_folder_into(model, dest)
-            continue
-        with tempfile.TemporaryDirectory(prefix="bertforge-export-") as tmp:
-            copy_folder_into(model, Path(tmp) / "model")
-            recast(Path(tmp) / "model", dtype)
-            copy_folder_into(Path(tmp) / "model", dest)
+        else:  # copied into the temporary folder that moves into place, and recast there
+            fill_folder_into(dest, functools.partial(_recast_copy, model, dtype=dtype))
     return f"the best model of {', '.join(names)}"
+
+
+def _recast_copy(source: Path, tmp: Path, dtype: str) -> None:
+    shutil.copytree(source, tmp, dirs_exist_ok=True)
+    recast(tmp, dtype)
 
 
 def recast(folder: Path, dtype: str) -> None:

@@ -199,14 +199,10 @@ class ThroughputMeter:
         """One step more: its batch, from `make()`, timed, and its tokens counted by `tokens_in` when given."""
         began = time.perf_counter()
         batch = make()
-        self.add(tokens_in(batch) if tokens_in is not None else 0, time.perf_counter() - began)
-        return batch
-
-    def add(self, tokens: int = 0, batching: float = 0.0) -> None:
-        """One step more, of `tokens` tokens, whose batch took the host `batching` seconds to make."""
+        self.batching += time.perf_counter() - began
         self.steps += 1
-        self.tokens += tokens
-        self.batching += batching
+        self.tokens += tokens_in(batch) if tokens_in is not None else 0
+        return batch
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
