@@ -86,7 +86,11 @@ STEP_VARIANTS = [
     ("transformers eager bf16 autocast", "torch", {"compiled": False}),
 ]
 # ModernBERT's packed rows also through XLA's attention, the path they took before cuDNN took a mask per query.
-EXTRA_VARIANTS = {"pretrain-modernbert": [("bertforge bf16, attention xla", "jax", {"attention": "xla"})]}
+# BERT's step also through the Pallas kernels, which keep the probabilities' dropout inside a fused attention.
+EXTRA_VARIANTS = {
+    "pretrain-modernbert": [("bertforge bf16, attention xla", "jax", {"attention": "xla"})],
+    "pretrain-bert": [("bertforge bf16, attention pallas", "jax", {"attention": "pallas"})],
+}
 DEADLINES = {"step": 260.0, "e2e": {"first run": 130.0, "warm cache": 50.0, "Trainer": 90.0}, "tests": 150.0}
 
 
@@ -335,8 +339,10 @@ def step_jobs(args: argparse.Namespace) -> list[dict]:
             continue
         shape = part.smoke if args.smoke else part.full
         for label, impl, kw in STEP_VARIANTS + EXTRA_VARIANTS.get(name, []):
-            if args.smoke and kw.get("compiled"):
-                continue  # torch.compile's own start-up is a minute on a CPU; the eager rows run the same code
+            if args.smoke and (kw.get("compiled") or kw.get("attention") == "pallas"):
+                # torch.compile's own start-up is a minute on a CPU (the eager rows run the same code); the Pallas
+                # kernels compile for NVIDIA GPUs only.
+                continue
             jobs.append({"part": name, "implementation": label, "impl": impl, "kw": kw,
                          "shape": dataclasses.asdict(shape), "device": args.torch_device})  # fmt: skip
     # The slow starters first (torch.compile), then bertforge's rows, then the rest; each in the parts' order.

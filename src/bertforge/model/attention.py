@@ -11,6 +11,8 @@ attends only to keys j with |i - j| <= w, on top of the padding.
 - xla: jax.nn.dot_product_attention with implementation "xla"; on a TPU, XLA fuses it.
 - cudnn: cuDNN's fused flash attention (NVIDIA GPUs, bfloat16 or float16 only); the GPU default.
 - explicit: einsum and softmax with dropout on the probabilities, differentiated automatically.
+- pallas: fused kernels written in Pallas for NVIDIA GPUs (flash_attention.py), with dropout on the probabilities
+  and any mask; `explicit` where its lengths or head size do not fit the kernels' blocks.
 """
 
 from __future__ import annotations
@@ -23,14 +25,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from bertforge.model.dropout import dropped, keep_mask
+from bertforge.model.flash_attention import fits, flash_attention
 from bertforge.model.layout import row_major
+from bertforge.model.mask_value import MASK_VALUE
 
-# The logit given to a key that may not be attended, here and in attention pooling. Finite, so that a row with no
-# valid key (an all-padding filler row) gets a uniform softmax instead of NaN; exp of it underflows to exactly 0
-# next to any real logit; and adding a logit to it never overflows float32 to -inf.
-MASK_VALUE = -1e30
-
-ATTENTIONS = ("auto", "custom", "xla", "cudnn", "explicit")
+ATTENTIONS = ("auto", "custom", "xla", "cudnn", "explicit", "pallas")
 HALF_DTYPES = ("bfloat16", "float16")
 
 
@@ -255,12 +254,32 @@ def explicit_attention(
     return jnp.einsum("bnqt,btnh->bqnh", probs.astype(v.dtype), v)  # (B, Q, N, H)
 
 
+def pallas_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask: jax.Array,
+    dropout: nnx.Dropout | None = None,
+    key: jax.Array | None = None,
+    window: int | None = None,
+) -> jax.Array:
+    """flash_attention's fused kernels, with `dropout`'s rate on the probabilities when a `key` is given: the masks
+    custom and explicit draw for that key. Lengths or a head size the kernels do not take (a layer that computes
+    its first token only, say) go to explicit_attention."""
+    if not fits(q.shape[1], k.shape[1], q.shape[-1]):
+        return explicit_attention(q, k, v, mask, dropout, key, window)
+    rate = _dropout_rate(dropout, key)
+    return flash_attention(q, k, v, mask, key if rate else None, rate, window)
+
+
 IMPLEMENTATIONS: dict[str, Callable[..., jax.Array]] = {
     "custom": custom_attention,
     "xla": xla_attention,
     "cudnn": cudnn_attention,
     "explicit": explicit_attention,
+    "pallas": pallas_attention,
 }
+WITH_DROPOUT = ("custom", "explicit", "pallas")
 
 
 def cudnn_takes(dtype: str, head_dim: int, max_head_dim: int = 256) -> bool:
@@ -275,17 +294,20 @@ def choose_attention(
     """The implementation to run: `requested` (one of ATTENTIONS) on `platform` (jax.default_backend()), with
     attention dropout active or not, in compute `dtype`, with heads of `head_dim` (None: any cuDNN takes).
 
-    Only `custom` and `explicit` have attention dropout: with it, `custom` is kept (asked for, or `auto` on a
-    CPU) and anything else becomes `explicit`, at the cost of the fused kernel. Without it a named implementation
-    is kept, and `auto` takes `custom` on a CPU (its hand-written backward is the fastest there), `cudnn` on a GPU
-    (`xla` where cuDNN does not run: float32, or a head size every GPU generation does not take) and `xla` on a TPU.
+    Only `custom`, `explicit` and `pallas` have attention dropout: with it, `custom` and `pallas` are kept when
+    asked for, `auto` takes `custom` on a CPU, and anything else becomes `explicit`, at the cost of the fused
+    kernel. `cudnn` and `pallas` need an NVIDIA GPU. Without dropout a named implementation is kept, and `auto`
+    takes `custom` on a CPU (its hand-written backward is the fastest there), `cudnn` on a GPU (`xla` where cuDNN
+    does not run: float32, or a head size every GPU generation does not take) and `xla` on a TPU.
     """
     if requested not in ATTENTIONS:
         raise ValueError(f"attention {requested!r} is not one of {', '.join(ATTENTIONS)}")
+    if requested in ("cudnn", "pallas") and platform != "gpu":
+        raise ValueError(f"attention {requested!r} needs an NVIDIA GPU; this program runs on {platform}")
     if dropout:
-        return "custom" if requested == "custom" or (requested == "auto" and platform == "cpu") else "explicit"
-    if requested == "cudnn" and platform != "gpu":
-        raise ValueError(f"attention 'cudnn' needs an NVIDIA GPU; this program runs on {platform}")
+        if requested in ("custom", "pallas"):
+            return requested
+        return "custom" if requested == "auto" and platform == "cpu" else "explicit"
     if requested != "auto":
         return requested
     if platform == "gpu":
@@ -316,7 +338,7 @@ def attend(
     # Projections come out in float32 (their products accumulate in it); the products here run in the compute
     # dtype, whichever implementation runs them (each keeps its logits and softmax in float32).
     q, k, v = (x.astype(dtype) for x in (q, k, v))
-    if name in ("explicit", "custom"):
+    if name in WITH_DROPOUT:
         return IMPLEMENTATIONS[name](q, k, v, mask, dropout, key, window=window)
     if name == "cudnn" and (mask.shape[2] > 1 or not prefix):
         # A mask per query (packed rows), or keys that are not a row's first: cudnn_attention describes padding by
