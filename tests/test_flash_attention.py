@@ -124,3 +124,18 @@ def test_compiled_kernels_equal_the_interpreted_ones_on_a_gpu(kind):
     got = value_and_grads(lambda q, k, v: flash_attention(q, k, v, mask, key, 0.1, None), *low, d_out)
     for g, w, tol in zip(got, want, (1e-2, 3e-2, 3e-2, 3e-2), strict=True):
         np.testing.assert_allclose(g, w, atol=tol)
+
+
+@pytest.mark.parametrize("kind, window", [("padding", None), ("packed", 5)])
+def test_kernels_lower_to_triton_for_a_gpu_on_any_machine(kind, window):
+    # Lowering for CUDA runs Pallas's Triton lowering of every kernel here (each primitive must have a Triton
+    # rule: the uint32 hash, the scalar seed loads, the masked blocks), without a GPU; only Triton's own
+    # compilation to the GPU's code is left to a GPU (the test above).
+    spec = jax.ShapeDtypeStruct((B, T, N, H), jnp.bfloat16)
+
+    def grads(q, k, v, mask):
+        loss = lambda q, k, v: jnp.sum(flash_attention(q, k, v, mask, jax.random.key(0), 0.1, window, False))  # noqa: E731
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    text = jax.jit(grads).trace(spec, spec, spec, mask_of(kind)).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 3  # the forward, the queries' and the keys' gradients
