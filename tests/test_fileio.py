@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import math
 import os
 from pathlib import Path
 
-from bertforge.fileio import copy_folder_into, move_into
+from bertforge.fileio import copy_folder_into, finite_json, move_into, nan_for_null
 
 
 def _tree(root: Path) -> dict[str, str]:
@@ -48,3 +50,22 @@ def test_move_into_a_missing_folder_renames_it_and_copy_leaves_the_source(tmp_pa
     copy_folder_into(tmp_path / "out", tmp_path / "deep" / "copy")
     assert _tree(tmp_path / "deep" / "copy") == _tree(tmp_path / "out")
     assert [p.name for p in (tmp_path / "deep").iterdir()] == ["copy"]  # no temporary folder left beside it
+
+
+def strict_loads(text: str):
+    """json.loads refusing NaN and Infinity, as JSON's grammar (and every parser outside Python) does."""
+
+    def refuse(name: str):
+        raise ValueError(f"not JSON: {name}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_finite_json_writes_nan_and_infinity_as_null_and_reads_them_back_as_nan():
+    data = {"score": math.nan, "scores": {"rmse": 0.5, "pearson": math.inf}, "outputs": [[1.0, -math.inf]], "n": 3}
+    text = finite_json(data, indent=2)
+    assert strict_loads(text) == {"score": None, "scores": {"rmse": 0.5, "pearson": None}, "outputs": [[1.0, None]],
+                                  "n": 3}  # fmt: skip
+    back = nan_for_null(strict_loads(text))
+    assert math.isnan(back["score"]) and math.isnan(back["scores"]["pearson"]) and math.isnan(back["outputs"][0][1])
+    assert back["scores"]["rmse"] == 0.5 and back["n"] == 3

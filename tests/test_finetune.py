@@ -7,6 +7,7 @@ import functools
 import itertools
 import json
 import logging
+import math
 import random
 import re
 from pathlib import Path
@@ -546,6 +547,31 @@ def test_finished_folds_are_kept_and_the_rest_run_when_the_command_is_repeated(m
     assert "fold 0:" not in printed and "fold 1:" in printed  # fold 0 was not trained again
     assert (out / "fold-0" / "result.json").read_text() == first
     assert len(json.loads((out / "summary.json").read_text())["folds"]) == 2
+
+
+def test_undefined_scores_are_written_as_null_and_a_repeated_command_reads_them_back(model_dir, tmp_path):
+    # A validation table of one row: its Pearson and Spearman correlations are undefined (NaN). JSON has no NaN:
+    # metrics.jsonl, result.json and summary.json hold null there, and the repeated command, which reads the
+    # finished fold back to summarise, still ends well.
+    data = write_table(tmp_path / "train.csv", river_rows(32, seed=1))
+    valid = write_table(tmp_path / "valid.csv", river_rows(1, seed=2))
+    out = tmp_path / "run"
+    for _ in range(2):
+        assert finetune(model_dir, data, out, "--valid-data", str(valid), "--train.epochs=1") == 0
+    summary, result = (strict_loads((out / f).read_text()) for f in ("summary.json", "fold-0/result.json"))
+    logged = [strict_loads(line) for line in (out / "fold-0" / "metrics.jsonl").read_text().splitlines()]
+    assert result["metrics"]["pearson"] is None and math.isfinite(result["score"])  # rmse: defined
+    assert summary["out_of_fold"]["spearman"] is None and summary["folds"][0]["score"] == result["score"]
+    assert [r["valid_pearson"] for r in logged if "valid_rmse" in r] == [None]
+
+
+def strict_loads(text: str):
+    """json.loads refusing NaN and Infinity, as JSON's grammar (and parsers outside Python) does."""
+
+    def refuse(name: str):
+        raise ValueError(f"not JSON: {name}")
+
+    return json.loads(text, parse_constant=refuse)
 
 
 def test_classification_and_multilabel_runs(model_dir, tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -119,3 +120,31 @@ def read_json_object(path: str | Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise UserError(f"{path}: expected a JSON object")
     return data
+
+
+def finite_json(obj: Any, indent: int | None = None) -> str:
+    """json.dumps of `obj` with every non-finite float written as null: strict JSON, which has no NaN or Infinity
+    (parsers outside Python refuse them). Where a number goes, bertforge's readers take null back as NaN
+    (nan_for_null)."""
+    return json.dumps(_finite(obj), indent=indent, allow_nan=False)
+
+
+def _finite(obj: Any) -> Any:
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def nan_for_null(obj: Any) -> Any:
+    """finite_json's numbers read back: every null in `obj` (a number, or lists and objects of numbers) as NaN."""
+    if obj is None:
+        return math.nan
+    if isinstance(obj, dict):
+        return {k: nan_for_null(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [nan_for_null(v) for v in obj]
+    return obj

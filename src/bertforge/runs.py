@@ -41,7 +41,7 @@ from bertforge import version
 from bertforge.config import to_dict
 from bertforge.data import tabular
 from bertforge.errors import UserError
-from bertforge.fileio import read_json_object, write_atomic
+from bertforge.fileio import finite_json, nan_for_null, read_json_object, write_atomic
 from bertforge.train.checkpoint import DAMAGED, Checkpoints
 
 RUN_FILE = "run.json"
@@ -162,22 +162,32 @@ def write_folds(run_dir: Path, ids: Sequence[str], folds: np.ndarray) -> None:
 def read_result(run_dir: Path, fold: int) -> dict[str, Any] | None:
     """FOLD/result.json; None while the fold is not finished."""
     path = fold_dir(run_dir, fold) / RESULT
-    return read_json_object(path) if path.exists() else None
+    if not path.exists():
+        return None
+    result = read_json_object(path)
+    return {**result, **{k: nan_for_null(result[k]) for k in ("score", "metrics", "outputs") if k in result}}
 
 
 def write_result(run_dir: Path, fold: int, result: dict[str, Any]) -> None:
-    write_atomic(fold_dir(run_dir, fold) / RESULT, json.dumps(result) + "\n")
+    """FOLD/result.json, an undefined score (a correlation of outputs that do not vary) as null."""
+    write_atomic(fold_dir(run_dir, fold) / RESULT, finite_json(result) + "\n")
 
 
 def write_outcome(run_dir: Path, header: list[str], body: list[list[Any]], summary: dict[str, Any]) -> None:
     """RUN/oof.csv (out-of-fold predictions, a row each) and RUN/summary.json."""
     tabular.write_csv(str(Path(run_dir) / OOF), header, body)
-    write_atomic(Path(run_dir) / SUMMARY, json.dumps(summary, indent=2) + "\n")
+    write_atomic(Path(run_dir) / SUMMARY, finite_json(summary, indent=2) + "\n")
 
 
 def read_summary(run: str | Path) -> dict[str, Any] | None:
+    """RUN/summary.json, its scores' nulls as NaN; None before the folds are done."""
     path = Path(run) / SUMMARY
-    return read_json_object(path) if path.exists() else None
+    if not path.exists():
+        return None
+    summary = read_json_object(path)
+    folds = [{**f, "score": nan_for_null(f.get("score"))} for f in summary.get("folds", [])]
+    numbers = {k: nan_for_null(summary[k]) for k in ("mean", "std", "out_of_fold") if k in summary}
+    return {**summary, **numbers, "folds": folds}
 
 
 def read_oof(run: str | Path) -> list[dict[str, str]]:

@@ -17,7 +17,7 @@ import jax
 from tqdm.auto import tqdm
 
 from bertforge.errors import UserError
-from bertforge.fileio import write_atomic
+from bertforge.fileio import finite_json, nan_for_null, write_atomic
 
 METRICS = "metrics.jsonl"
 
@@ -68,7 +68,7 @@ class MetricsLog:
             return
         record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
         with self.path.open("a") as fh:
-            fh.write(json.dumps(record) + "\n")
+            fh.write(finite_json(record) + "\n")  # an undefined metric (NaN) as null
         if self.tb is not None:
             for k, v in record.items():
                 if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
@@ -126,4 +126,4 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     lines = [line for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
     if lines and _step_of(lines[-1]) == 1 << 62:
         lines.pop()  # torn by a kill during the append; the next run drops it too
-    return [json.loads(line) for line in lines]
+    return [nan_for_null(json.loads(line)) for line in lines]
