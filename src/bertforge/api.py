@@ -110,7 +110,7 @@ def labels(model: str | os.PathLike | Pretrained) -> list[str]:
         if found is not None:
             return list(found[1]["labels"])
         model = load_model(model, head="sequence", require_head=True)
-    return [model.id2label.get(i, str(i)) for i in range(model.model.num_labels)]
+    return model.label_names()
 
 
 def evaluate(model: str | os.PathLike, data: str | os.PathLike, **options: Any) -> dict[str, Any]:

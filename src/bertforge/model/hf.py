@@ -186,6 +186,10 @@ class Pretrained:
     missing_head: list[str]  # head parameters initialised fresh because the checkpoint lacks them
     step: int | None = None  # a run's checkpoint step
 
+    def label_names(self) -> list[str]:
+        """The name of each output (config.json's id2label; its index where the folder names none)."""
+        return [self.id2label.get(j, str(j)) for j in range(self.model.num_labels)]
+
 
 def resolve(name: str | os.PathLike) -> Path:
     """A local folder, or a hub id resolved through huggingface_hub (its cache when offline). Never runs code."""

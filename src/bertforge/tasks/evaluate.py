@@ -28,7 +28,6 @@ from bertforge.finetuning.pairs import distinct_texts
 from bertforge.model.hf import Pretrained
 from bertforge.model.load import load_models
 from bertforge.tasks.model_outputs import forward_of, outputs_by_length, run_limit
-from bertforge.tasks.predict_tokens import label_names
 
 # Tasks whose outputs are the model's labels (config.json's id2label), which a folder's data is read against.
 _LABELLED = (classification.NAME, tokens.NAME)
@@ -132,7 +131,7 @@ def _read(task: FinetuneTask, pre: Pretrained, settings: dict[str, Any], cfg: Ta
     folder's config.json labels, or else what the data itself gives (regression's target columns, choices)."""
     known = settings.get("labels")
     if not known and task.NAME in _LABELLED:
-        known = label_names(pre)
+        known = pre.label_names()
     if known:
         return list(known), task.read(cfg.train, cfg, list(known))
     data = task.read(cfg.train, cfg, None)

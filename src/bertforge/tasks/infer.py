@@ -241,7 +241,7 @@ def predict_main(cfg: PredictConfig) -> Sized:
         raise UserError(f"{cfg.data}: no column '{id_column}' (columns: {', '.join(columns)})")
     first = models[0]
     task = task_of(settings, first.model.num_labels)
-    names = task.column_names([first.id2label.get(j, str(j)) for j in range(first.model.num_labels)], settings)
+    names = task.column_names(first.label_names(), settings)
     keys = [(id_column, [row.get(id_column) for row in rows])] if id_column else []
     tabular.write_csv(cfg.out, *prediction_table(task.prediction_columns, names, outputs, keys))
     return outputs

@@ -33,11 +33,6 @@ def document_predictions(
     return [by_doc[d] for d in range(len(docs))], units
 
 
-def label_names(pre: Pretrained) -> list[str]:
-    """The model's output names, by output."""
-    return [pre.id2label.get(j, str(j)) for j in range(pre.model.num_labels)]
-
-
 def document_entities(
     models: Sequence[Pretrained], settings: dict[str, Any], docs: Sequence[Document], max_length: int | None,
     batch_size: int, stride: int | None = None,
@@ -45,7 +40,7 @@ def document_entities(
     """Each document's entities, (U, L) unit outputs and units; the run's length and stride where none is given."""
     stride = int(stride if stride is not None else settings.get("stride", 32))
     outputs, units = document_predictions(models, docs, run_limit(models, settings, max_length), stride, batch_size)
-    names = label_names(models[0])
+    names = models[0].label_names()
     found = [tokens.entities(d.text, u, o, names) for d, u, o in zip(docs, units, outputs, strict=True)]
     return found, outputs, units
 
@@ -55,7 +50,7 @@ def predict_tokens(models: Sequence[Pretrained], settings: dict[str, Any], cfg: 
     docs = read_documents(cfg.data, cfg.format, labelled=False)
     found, outputs, units = document_entities(models, settings, docs, cfg.max_length, cfg.batch_size, cfg.stride)
     if data_format(cfg.data, cfg.format) == "conll":
-        text = _conll(docs, units, outputs, label_names(models[0]))
+        text = _conll(docs, units, outputs, models[0].label_names())
     else:
         text = "".join(json_line({"id": d.id, "entities": e}) for d, e in zip(docs, found, strict=True))
     fs, path = fsspec.core.url_to_fs(cfg.out)
