@@ -112,24 +112,20 @@ def _attention_bwd(window, rate, scale, bias_shape, residuals, d_out):
     qt, kt, vt, probs, keep, out = residuals
     dt = row_major(d_out.transpose(0, 2, 1, 3))  # (B, N, Q, H)
     f32 = jnp.float32
-    # The keys' and values' gradients are computed transposed, dv^T = dO^T W and dk^T = q^T dS: a product whose
-    # first operand is the transposed (Q, T) matrix ran at half the speed on a CPU (and in bf16 needed a row-major
-    # copy of it); transposing the (Q, H) operand and the (H, T) result instead moves a fraction of the data.
-    weights = dropped(probs, keep, rate).astype(dt.dtype)  # (B, N, Q, T)
-    dv_t = jnp.matmul(row_major(dt.swapaxes(-1, -2)), weights, preferred_element_type=f32)  # (B, N, H, T)
+    weights_t = row_major(dropped(probs, keep, rate).astype(dt.dtype).swapaxes(-1, -2))  # (B, N, T, Q)
+    dv = jnp.matmul(weights_t, dt, preferred_element_type=f32)
     # The gradient reaching the probabilities through the mask; the identity below holds for the dropped ones.
     dp = dropped(jnp.matmul(dt, row_major(vt.swapaxes(-1, -2)), preferred_element_type=f32), keep, rate)  # (B, N, Q, T)
     row = jnp.sum(dt.astype(f32) * out.astype(f32), axis=-1, keepdims=True)  # (B, N, Q, 1)
     d_logits = probs * (dp - row)  # (B, N, Q, T)
     ds = (d_logits * scale).astype(qt.dtype)
     dq = jnp.matmul(ds, kt, preferred_element_type=f32)
-    dk_t = jnp.matmul(row_major(qt.swapaxes(-1, -2)), ds, preferred_element_type=f32)  # (B, N, H, T)
+    dk = jnp.matmul(row_major(ds.swapaxes(-1, -2)), qt, preferred_element_type=f32)
     back = lambda x, like: x.transpose(0, 2, 1, 3).astype(like.dtype)  # noqa: E731
-    back_t = lambda x, like: x.transpose(0, 3, 1, 2).astype(like.dtype)  # noqa: E731  (B, N, H, T) -> (B, T, N, H)
     # Summed over the bias's broadcast axes; XLA drops it where the bias is a constant (the padding's).
     summed = tuple(i for i, n in enumerate(bias_shape) if n == 1 and d_logits.shape[i] != 1)
     d_bias = jnp.sum(d_logits, axis=summed, keepdims=True).reshape(bias_shape)
-    return back(dq, qt), back_t(dk_t, kt), back_t(dv_t, vt), d_bias, None
+    return back(dq, qt), back(dk, kt), back(dv, vt), d_bias, None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
