@@ -4,7 +4,7 @@ cuDNN's fused attention, which jax calls, takes its dropout seed as a constant o
 training step with attention dropout falls back to the written-out formula, which stores the (B, N, Q, T)
 probabilities and their mask. These kernels never store them: the forward keeps a running maximum and sum per
 query over blocks of keys (FlashAttention), and the backward recomputes each block's probabilities from the
-saved log-sum-exp. The dropout mask is recomputed as well, in every kernel, from the same keyed hash of the
+saved row maxima and log-sums. The dropout mask is recomputed as well, in every kernel, from the same keyed hash of the
 element's position that dropout.keep_mask draws, so the kernels drop exactly the probabilities the other
 implementations drop for the same key, and their results are theirs up to rounding.
 
