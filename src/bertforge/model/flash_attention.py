@@ -79,22 +79,36 @@ def _dot(a: jax.Array, b: jax.Array, trans_a: bool = False, trans_b: bool = Fals
     return plgpu.dot(a, b, trans_a, trans_b, allow_tf32=False if a.dtype == jnp.float32 else None)
 
 
-def _probs(q, k, mask_ref, seed_ref, where, stats, dims) -> tuple[jax.Array, jax.Array | None]:
-    """A block's (bq, bk) float32 probabilities from the forward's saved row maxima and log-sums (stats), and its
-    dropout mask (None at rate 0); where = (b, n, q0, k0), dims = (scale, rate, window, Q, T)."""
+def _scores(q, k, mask_ref, seed_ref, where, dims) -> tuple[jax.Array, jax.Array | None]:
+    """A block's (bq, bk) float32 logits q k^T * scale, MASK_VALUE where a key may not be attended, and its dropout
+    mask (None at rate 0); where = (b, n, q0, k0), dims = (scale, rate, window, Q, T)."""
     scale, rate, window, q_len, t_len = dims
-    top, log_total = stats
     s = _dot(q, k, trans_b=True) * scale
     s = jnp.where(_allowed(mask_ref, where[2], where[3], q.shape[0], k.shape[0], window), s, MASK_VALUE)
     keep = _keep(seed_ref, where, q.shape[0], k.shape[0], q_len, t_len, keep_threshold(rate)) if rate else None
+    return s, keep
+
+
+def _probs(q, k, mask_ref, seed_ref, where, stats, dims) -> tuple[jax.Array, jax.Array | None]:
+    """A block's (bq, bk) float32 probabilities from the forward's saved row maxima and log-sums (stats), and its
+    dropout mask, as _scores takes its arguments."""
+    top, log_total = stats
+    s, keep = _scores(q, k, mask_ref, seed_ref, where, dims)
     # Not exp(s - lse): a row without a key to attend has top MASK_VALUE, and lse = top + log(sum) rounds back to it.
     return jnp.exp((s - top[:, None]) - log_total[:, None]), keep
+
+
+def _logit_grads(p, keep, do, v, delta, dims) -> jax.Array:
+    """The gradient of a block's scaled logits (bq, bk): p (dP - rowsum(dO * O)) * scale, dP through the dropout."""
+    scale, rate = dims[:2]
+    dp = _dropped(_dot(do, v, trans_b=True), keep, rate)
+    return p * (dp - delta[:, None]) * scale
 
 
 def _forward_kernel(q_ref, k_ref, v_ref, mask_ref, seed_ref, o_ref, top_ref, log_total_ref, *, dims, block_k):
     """One block of queries against every key, a block of keys at a time (a running maximum and sum per query):
     writes the output and each query's maximum logit and the log of its sum of exponentials."""
-    scale, rate, window, q_len, t_len = dims
+    rate, t_len = dims[1], dims[4]
     bq, h = q_ref.shape
     q0, b, n = pl.program_id(0) * bq, pl.program_id(1), pl.program_id(2)
     q = q_ref[...]
@@ -103,12 +117,10 @@ def _forward_kernel(q_ref, k_ref, v_ref, mask_ref, seed_ref, o_ref, top_ref, log
         acc, top, total = carry
         k0 = step * block_k
         k, v = k_ref[pl.ds(k0, block_k), :], v_ref[pl.ds(k0, block_k), :]
-        s = _dot(q, k, trans_b=True) * scale
-        s = jnp.where(_allowed(mask_ref, q0, k0, bq, block_k, window), s, MASK_VALUE)  # (bq, bk)
+        s, keep = _scores(q, k, mask_ref, seed_ref, (b, n, q0, k0), dims)  # (bq, bk)
         new_top = jnp.maximum(top, s.max(axis=-1))
         fix = jnp.exp(top - new_top)
         p = jnp.exp(s - new_top[:, None])
-        keep = _keep(seed_ref, (b, n, q0, k0), bq, block_k, q_len, t_len, keep_threshold(rate)) if rate else None
         acc = acc * fix[:, None] + _dot(_dropped(p, keep, rate).astype(v.dtype), v)
         return acc, new_top, total * fix + p.sum(axis=-1)
 
@@ -121,7 +133,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, mask_ref, seed_ref, o_ref, top_ref, log
 def _key_grads_kernel(q_ref, k_ref, v_ref, do_ref, top_ref, log_total_ref, delta_ref, mask_ref, seed_ref, dk_ref,
                       dv_ref, *, dims, block_q):  # fmt: skip
     """The gradients of one block of keys and values, over every query, a block of queries at a time."""
-    scale, rate, _, q_len, _ = dims
+    rate, q_len = dims[1], dims[3]
     bk, h = k_ref.shape
     k0, b, n = pl.program_id(0) * bk, pl.program_id(1), pl.program_id(2)
     k, v = k_ref[...], v_ref[...]
@@ -133,8 +145,7 @@ def _key_grads_kernel(q_ref, k_ref, v_ref, do_ref, top_ref, log_total_ref, delta
         q, do, stats = q_ref[rows, :], do_ref[rows, :], (top_ref[rows], log_total_ref[rows])
         p, keep = _probs(q, k, mask_ref, seed_ref, (b, n, q0, k0), stats, dims)  # (bq, bk)
         dv = dv + _dot(_dropped(p, keep, rate).astype(do.dtype), do, trans_a=True)
-        dp = _dropped(_dot(do, v, trans_b=True), keep, rate)
-        ds = p * (dp - delta_ref[rows][:, None]) * scale
+        ds = _logit_grads(p, keep, do, v, delta_ref[rows], dims)
         return dk + _dot(ds.astype(q.dtype), q, trans_a=True), dv
 
     zeros = jnp.zeros((bk, h), jnp.float32)
@@ -145,7 +156,7 @@ def _key_grads_kernel(q_ref, k_ref, v_ref, do_ref, top_ref, log_total_ref, delta
 def _query_grads_kernel(q_ref, k_ref, v_ref, do_ref, top_ref, log_total_ref, delta_ref, mask_ref, seed_ref, dq_ref,
                         *, dims, block_k):  # fmt: skip
     """The gradient of one block of queries, over every key, a block of keys at a time."""
-    scale, rate, _, _, t_len = dims
+    t_len = dims[4]
     bq, h = q_ref.shape
     q0, b, n = pl.program_id(0) * bq, pl.program_id(1), pl.program_id(2)
     q, do, stats, delta = q_ref[...], do_ref[...], (top_ref[...], log_total_ref[...]), delta_ref[...]
@@ -154,8 +165,7 @@ def _query_grads_kernel(q_ref, k_ref, v_ref, do_ref, top_ref, log_total_ref, del
         k0 = step * block_k
         k, v = k_ref[pl.ds(k0, block_k), :], v_ref[pl.ds(k0, block_k), :]
         p, keep = _probs(q, k, mask_ref, seed_ref, (b, n, q0, k0), stats, dims)
-        dp = _dropped(_dot(do, v, trans_b=True), keep, rate)
-        ds = p * (dp - delta[:, None]) * scale
+        ds = _logit_grads(p, keep, do, v, delta, dims)
         return dq + _dot(ds.astype(k.dtype), k)
 
     dq = jax.lax.fori_loop(0, t_len // block_k, body, jnp.zeros((bq, h), jnp.float32))
