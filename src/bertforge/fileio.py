@@ -126,16 +126,17 @@ def finite_json(obj: Any, indent: int | None = None) -> str:
     """json.dumps of `obj` with every non-finite float written as null: strict JSON, which has no NaN or Infinity
     (parsers outside Python refuse them). Where a number goes, bertforge's readers take null back as NaN
     (nan_for_null)."""
-    return json.dumps(_finite(obj), indent=indent, allow_nan=False)
+    return json.dumps(finite(obj), indent=indent, allow_nan=False)
 
 
-def _finite(obj: Any) -> Any:
+def finite(obj: Any) -> Any:
+    """`obj` (a number, or lists and objects of them) with every non-finite float as None (JSON's null)."""
     if isinstance(obj, float):
         return obj if math.isfinite(obj) else None
     if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
+        return {k: finite(v) for k, v in obj.items()}
     if isinstance(obj, list | tuple):
-        return [_finite(v) for v in obj]
+        return [finite(v) for v in obj]
     return obj
 
 

@@ -9,8 +9,6 @@ no flag replaces them. A run's fold models are averaged, as `predict` averages t
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -22,7 +20,7 @@ from bertforge.config import from_dict, read_yaml
 from bertforge.data.labelled import Table, TableConfig
 from bertforge.data.long_text import outputs_of_records, records_of
 from bertforge.errors import UserError
-from bertforge.fileio import write_atomic
+from bertforge.fileio import finite, finite_json, write_atomic
 from bertforge.finetuning import TASKS, FinetuneTask, classification, multilabel, regression, task_of, tokens
 from bertforge.finetuning.pairs import distinct_texts
 from bertforge.model.hf import Pretrained
@@ -73,10 +71,10 @@ def main(cfg: EvaluateConfig) -> dict[str, Any]:
     scores = task.scores(outputs, records_of(table).targets, names, table.source)
     # A correlation of fewer than two records, or of outputs that do not vary, is undefined: None (JSON's null), as
     # JSON has no NaN.
-    found: dict[str, Any] = {k: v if math.isfinite(v) else None for k, v in scores.items()}
+    found: dict[str, Any] = finite(scores)
     found["records"] = records(data)
     if cfg.out:
-        write_atomic(cfg.out, json.dumps(found, indent=2, allow_nan=False) + "\n")
+        write_atomic(cfg.out, finite_json(found, indent=2) + "\n")
     return found
 
 
