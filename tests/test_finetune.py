@@ -53,6 +53,7 @@ def river_rows(n: int, seed: int = 0) -> list[dict]:
     return rows
 
 
+NAN = float("nan")
 FAST = ["--optim.lr=3e-3", "--train.batch_size=16", "--mesh.num_devices=1", "--train.evals_per_epoch=1",
         "--log.progress=false"]  # fmt: skip
 
@@ -502,6 +503,37 @@ def test_batches_compile_the_gradients_once_per_padded_length_and_the_update_onc
     # A ladder of two lengths: two gradient programs whatever the lengths, every batch padded to one of them.
     names = compiled_programs(caplog, *run[:2], tmp_path / "run2", *run[3:], "--data.shapes=2")
     assert names.count("gradients") == 2 and names.count("update") == 1, names
+
+
+@pytest.mark.parametrize(
+    "ranks",
+    [(0.5, 0.3, 0.4), (0.5, 0.3, 0.3), (0.5, 0.3, 0.2), (None, 0.4), (0.4, None, 0.6), (0.7,), (0.1, NAN), (NAN, 0.2)],
+)
+def test_the_best_step_with_the_last_kept_in_memory_is_the_one_orbax_picks_with_every_step_saved(ranks, tmp_path):
+    # The fold saves every evaluated step but the last, whose state it still holds; its choice must be the one the
+    # checkpoints made when the last step was saved too (ties to the later step).
+    from types import SimpleNamespace
+
+    from bertforge.tasks.finetune_fold import _best_step
+    from bertforge.train.checkpoint import Checkpoints
+
+    state, last = {"w": jnp.zeros(2)}, len(ranks)
+    everything = Checkpoints(tmp_path / "all", keep_last=1, keep_best=1)
+    kept = Checkpoints(tmp_path / "kept", keep_last=1, keep_best=1)
+    for step, rank in enumerate(ranks, start=1):
+        everything.save(step, state, {"step": step}, valid_loss=rank)
+        if step < last:
+            kept.save(step, state, {"step": step}, valid_loss=rank)
+    everything.wait()
+    kept.wait()
+    expected = everything.best_step() or everything.latest_step()
+    evaluations = SimpleNamespace(ranks={} if ranks[-1] is None else {last: ranks[-1]})
+    if not any(math.isnan(r or 0.0) for r in ranks):
+        assert _best_step(kept, evaluations, last) == expected
+    else:  # orbax ranks an undefined score where sorting leaves it; the fold prefers any defined one
+        assert _best_step(kept, evaluations, last) == (1 if math.isnan(ranks[-1]) else last)
+    everything.close()
+    kept.close()
 
 
 def test_predict_on_a_run_averages_the_best_fold_models(model_dir, tmp_path):

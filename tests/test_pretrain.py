@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -149,6 +150,38 @@ def test_periodic_work_falls_on_the_steps_offset_plus_multiples(steps, every, of
         checkpoint=loop.Every(every, lambda step, state, evaluation: saved.append(step), offset=offset),
     )
     assert evaluated == saved == expected
+
+
+@pytest.mark.parametrize("stop_at", [None, 10, 7])
+def test_a_checkpoint_that_skips_the_last_step_is_still_taken_when_a_signal_stops_the_run_there(stop_at):
+    from bertforge.train import loop
+
+    saved: list[int] = []
+
+    def step(state, batch, lr, n=[0]):  # noqa: B006 - counts the steps run
+        n[0] += 1
+        if n[0] == stop_at:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return state, {"finite": True, "loss": 1.0}
+
+    run = functools.partial(
+        loop.run,
+        None,
+        step,
+        next_batch=lambda _: None,
+        lr_at=lambda p: 1.0,
+        budget=loop.Budget(max_steps=10),
+        log=lambda s, m: None,
+        log_every=5,
+        checkpoint=loop.Every(4, lambda step, state, evaluation: saved.append(step), offset=2, last=False),
+        preemptible=True,
+    )
+    if stop_at is None:
+        run()
+    else:
+        with pytest.raises(loop.Preempted):
+            run()
+    assert saved == {None: [6], 10: [6, 10], 7: [6, 7]}[stop_at]
 
 
 def test_each_log_line_says_how_much_of_a_step_went_to_making_its_batch():

@@ -29,10 +29,10 @@ from bertforge.hub import HubConfig, Publisher
 from bertforge.model import sentence_folder
 from bertforge.model.hf import Pretrained, save_pretrained
 from bertforge.runtime.devices import fetch, global_array
-from bertforge.tasks.fold_eval import Evaluations, eval_batch, scores
+from bertforge.tasks.fold_eval import Evaluations, eval_batch, rank, scores
 from bertforge.tasks.model_outputs import INPUTS
 from bertforge.tasks.packed_batches import WHOLE, job_step_batch, packed_ahead, shapes_line
-from bertforge.train import loop, metrics
+from bertforge.train import loop
 from bertforge.train.checkpoint import Checkpoints
 from bertforge.train.metrics_log import LogConfig, MetricsLog, read_metrics
 from bertforge.train.optim import OptimConfig, learning_rate, warmup_fraction
@@ -255,11 +255,13 @@ def _train(job: Job, fold: Fold, state: TrainState, checkpoints: Checkpoints, st
             # Counted back from the last step, so that the last evaluation is of the final model, with none just
             # before it (a few steps earlier) to pay for.
             evaluate=loop.Every(fold.every, evaluations.evaluate, offset=fold.steps % fold.every),
-            checkpoint=loop.Every(fold.every, save, offset=fold.steps % fold.every),
+            # The final state is written out as the fold's model, not as a checkpoint: a run stopped before that
+            # continues from the last checkpoint and repeats the same steps.
+            checkpoint=loop.Every(fold.every, save, offset=fold.steps % fold.every, last=False),
             preemptible=True,
         )
         checkpoints.wait()
-        best = checkpoints.best_step() or checkpoints.latest_step()
+        best = _best_step(checkpoints, evaluations, int(state.step))
         if best != int(state.step):
             state, _ = checkpoints.restore(best, state)
     except loop.NonFiniteLoss as e:
@@ -269,6 +271,20 @@ def _train(job: Job, fold: Fold, state: TrainState, checkpoints: Checkpoints, st
         log.close()
         checkpoints.close()
     return state, best, evaluations.of_step(best, state)
+
+
+def _best_step(checkpoints: Checkpoints, evaluations: Evaluations, last: int) -> int:
+    """The step of the fold's best model: the best checkpoint's, or the last step's (in memory, not saved) when this
+    process evaluated it and it ranks at least as well (a tie goes to the later step, as among checkpoints; an
+    undefined score ranks below any other)."""
+    saved = checkpoints.best_step()
+    final = evaluations.ranks.get(last)
+    if final is None:
+        return saved or checkpoints.latest_step() or last
+    if saved is None:
+        return last
+    score = checkpoints.score(saved)
+    return last if score is None or math.isnan(score) or final <= score else saved
 
 
 def _describe(job: Job, fold: Fold, start_step: int) -> str:
@@ -303,9 +319,8 @@ def _training_batches(job: Job, fold: Fold, first_step: int) -> Iterator[dict[st
 def _save(job: Job, fold: Fold, checkpoints: Checkpoints, evaluations: Evaluations, step: int, state: TrainState,
           evaluation: dict[str, float] | None) -> None:  # fmt: skip
     """The loop's checkpoint, kept by the evaluation's score, and every hub.every-th one pushed to the Hub."""
-    sign = -1.0 if metrics.HIGHER_IS_BETTER[job.metric] else 1.0  # checkpoints keep the lowest
     meta = {"elapsed": fold.seconds(), "step": step}
-    score = None if evaluation is None else sign * evaluation[f"valid_{job.metric}"]
+    score = None if evaluation is None else rank(job, evaluation)  # checkpoints keep the lowest
     checkpoints.save(step, state, meta, valid_loss=score)
     evaluations.keep({*checkpoints.all_steps(), step})
     if job.hub.due(step, fold.every):

@@ -16,6 +16,7 @@ from bertforge.data.text_packing import PACKED_INPUTS
 from bertforge.runtime.devices import global_array
 from bertforge.tasks.model_outputs import INPUTS, outputs_by_length
 from bertforge.tasks.packed_batches import packed_outputs
+from bertforge.train.metrics import HIGHER_IS_BETTER
 from bertforge.train.sequence_step import LOSSES, loss_count
 from bertforge.train.step import TrainState
 
@@ -38,6 +39,12 @@ def scores(job: Job, outputs: np.ndarray, targets: np.ndarray) -> dict[str, floa
     if job.loss in LOSSES:  # a contrastive loss is of a batch, not of the whole validation set
         found["loss"] = float(_mean_loss(outputs, targets, job.loss))
     return found
+
+
+def rank(job: Job, evaluation: dict[str, float]) -> float:
+    """An evaluation's rank among a fold's checkpoints, lower being better: its metric, negated where higher is
+    better."""
+    return (-1.0 if HIGHER_IS_BETTER[job.metric] else 1.0) * evaluation[f"valid_{job.metric}"]
 
 
 @functools.partial(jax.jit, static_argnums=2)
@@ -71,11 +78,13 @@ class Evaluations:
     def __init__(self, job: Job, fold: Fold) -> None:
         self.job, self.fold = job, fold
         self.outputs: dict[int, np.ndarray] = {}  # step -> validation outputs
+        self.ranks: dict[int, float] = {}  # step -> its rank (lower is better) of this process's evaluations
 
     def evaluate(self, step: int, state: TrainState) -> dict[str, float]:
         began = time.perf_counter()
         self.outputs[step] = _valid_outputs(self.job, self.fold, state.params)
         found = {f"valid_{k}": v for k, v in scores(self.job, self.outputs[step], self.fold.valid_targets).items()}
+        self.ranks[step] = rank(self.job, found)
         return {**found, "eval_seconds": time.perf_counter() - began}
 
     def keep(self, steps: set[int]) -> None:

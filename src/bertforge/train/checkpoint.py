@@ -190,6 +190,11 @@ class Checkpoints:
     def best_step(self) -> int | None:
         return self.manager.best_step()
 
+    def score(self, step: int) -> float | None:
+        """The validation loss `step` was saved with, or None."""
+        found = self.manager.metrics(step)
+        return None if not found else float(found["valid_loss"])
+
     def save(self, step: int, state: Any, meta: dict[str, Any], valid_loss: float | None = None) -> None:
         metrics = None if valid_loss is None else {"valid_loss": float(valid_loss)}
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))

@@ -33,12 +33,16 @@ class Every:
 
     As `evaluate`, fn(step, state) returns metrics to log, or None; as `checkpoint`, fn(step, state, evaluation)
     gets the metrics of the evaluation done after the same step, or None.
+
+    `last=False`: never after the budget's last step, unless a stop signal asks for it there (a checkpoint of the
+    final state that the caller keeps in memory and writes out itself).
     """
 
     steps: int
     fn: Callable[..., Any]
     at_end: bool = True
     offset: int = 0
+    last: bool = True
 
     def due(self, step: int) -> bool:
         return step >= self.steps and (step - self.offset) % self.steps == 0
@@ -176,8 +180,10 @@ def run(
                 pending = []
                 meter.start()
                 timer.agree()
+            last = budget.done(step, timer.for_budget())
             with meter.paused():  # the steps are done: _check_finite above waited for them
-                roles(step, state, lambda e, step=step: e.due(step), save_anyway=stopping)
+                roles(step, state, lambda e, step=step, last=last: e.due(step) and (e.last or not last),
+                      save_anyway=stopping)  # fmt: skip
             if stopping:
                 raise Preempted(f"stopped by signal {stop_flag.signal} at step {step}")
         roles(step, state, functools.partial(_due_at_end, step=step, start_step=start_step, checkpoint=checkpoint))
@@ -263,7 +269,7 @@ def _means(pending: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def _due_at_end(e: Every, step: int, start_step: int, checkpoint: Every | None) -> bool:
-    return e.at_end and not e.due(step) and (e is not checkpoint or step != start_step)
+    return e.at_end and e.last and not e.due(step) and (e is not checkpoint or step != start_step)
 
 
 def _run_due(
