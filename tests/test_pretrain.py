@@ -107,22 +107,22 @@ def test_fsdp_gives_the_losses_of_data_parallel(shards, tmp_path):
 
 def test_out_of_memory_at_the_first_step_names_the_knobs():
     from bertforge.errors import UserError
-    from bertforge.train import loop
 
     def exhausted(state, batch, lr):
         raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 17179869184 bytes.")
 
     with pytest.raises(UserError, match=r"out of device memory at the first step: lower train.global_batch, raise "
                                         r"train.grad_accum, shard parameters with mesh.fsdp"):  # fmt: skip
-        loop.run(
-            None,
-            exhausted,
-            next_batch=lambda _: None,
-            lr_at=lambda p: 1.0,
-            budget=loop.Budget(max_steps=3),
-            log=lambda s, m: None,
-            log_every=1,
-        )
+        run_loop(exhausted, steps=3, log_every=1)
+
+
+def run_loop(step_fn, steps: int, log_every: int, **kwargs):
+    """loop.run over `steps` steps of `step_fn` with no state, no batches, a constant learning rate and no log."""
+    from bertforge.train import loop
+
+    budget = loop.Budget(max_steps=steps)
+    return loop.run(None, step_fn, next_batch=lambda _: None, lr_at=lambda p: 1.0, budget=budget,
+                    log=lambda s, m: None, log_every=log_every, **kwargs)  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -138,13 +138,9 @@ def test_periodic_work_falls_on_the_steps_offset_plus_multiples(steps, every, of
     from bertforge.train import loop
 
     evaluated, saved = [], []
-    loop.run(
-        None,
+    run_loop(
         lambda state, batch, lr: (state, {"finite": True, "loss": 1.0}),
-        next_batch=lambda _: None,
-        lr_at=lambda p: 1.0,
-        budget=loop.Budget(max_steps=steps),
-        log=lambda s, m: None,
+        steps,
         log_every=5,
         evaluate=loop.Every(every, lambda step, state: evaluated.append(step), offset=offset),
         checkpoint=loop.Every(every, lambda step, state, evaluation: saved.append(step), offset=offset),
@@ -165,13 +161,9 @@ def test_a_checkpoint_that_skips_the_last_step_is_still_taken_when_a_signal_stop
         return state, {"finite": True, "loss": 1.0}
 
     run = functools.partial(
-        loop.run,
-        None,
+        run_loop,
         step,
-        next_batch=lambda _: None,
-        lr_at=lambda p: 1.0,
-        budget=loop.Budget(max_steps=10),
-        log=lambda s, m: None,
+        10,
         log_every=5,
         checkpoint=loop.Every(4, lambda step, state, evaluation: saved.append(step), offset=2, last=False),
         preemptible=True,
