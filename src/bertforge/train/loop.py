@@ -180,10 +180,9 @@ def run(
                 pending = []
                 meter.start()
                 timer.agree()
-            last = budget.done(step, timer.for_budget())
+            due = functools.partial(_due, step=step, last=budget.done(step, timer.for_budget()))
             with meter.paused():  # the steps are done: _check_finite above waited for them
-                roles(step, state, lambda e, step=step, last=last: e.due(step) and (e.last or not last),
-                      save_anyway=stopping)  # fmt: skip
+                roles(step, state, due, save_anyway=stopping)
             if stopping:
                 raise Preempted(f"stopped by signal {stop_flag.signal} at step {step}")
         roles(step, state, functools.partial(_due_at_end, step=step, start_step=start_step, checkpoint=checkpoint))
@@ -266,6 +265,11 @@ def _step(step_fn: Callable[..., Any], state: Any, batch: Any, lr: float, first:
 def _means(pending: list[dict[str, Any]]) -> dict[str, float]:
     fetched = jax.device_get(pending)
     return {k: float(np.mean([m[k] for m in fetched])) for k in fetched[-1] if k != "finite"}
+
+
+def _due(e: Every, step: int, last: bool) -> bool:
+    """Whether `e` runs after `step`, `last` saying whether it is the budget's last."""
+    return e.due(step) and (e.last or not last)
 
 
 def _due_at_end(e: Every, step: int, start_step: int, checkpoint: Every | None) -> bool:
