@@ -33,7 +33,7 @@ import jax.numpy as jnp
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).parent))
 
-from step_speed import _step_time, _worktree  # noqa: E402
+from step_speed import _drop_worktree, _step_time, _worktree  # noqa: E402
 
 from bertforge.model.dropout import derive, dropped, keep_mask, keep_threshold  # noqa: E402
 
@@ -108,7 +108,7 @@ def end_to_end(args: argparse.Namespace, scratch: Path) -> dict[str, list[dict[s
                 runs[name].append(_finetune(tree, args, scratch / f"{name.replace(' ', '-')}-{rep}"))
                 print(name, runs[name][-1], flush=True)
     finally:
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)], check=False)
+        _drop_worktree(base)
     return runs
 
 

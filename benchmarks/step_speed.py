@@ -53,6 +53,11 @@ def _worktree(rev: str, scratch: Path) -> Path:
     return tree
 
 
+def _drop_worktree(tree: Path) -> None:
+    """Remove a _worktree from the repository's list and from disk."""
+    subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=False)
+
+
 def _slice(table: str, rows: int, out: Path) -> Path:
     with open(table, newline="", encoding="utf-8") as fh:
         reader = csv.reader(fh)
@@ -83,7 +88,7 @@ def main() -> None:
         _compare(args, scratch, minilm)
     finally:  # about 1 GB of runs, and the baseline's git worktree, which would stay registered in the repository
         for tree in scratch.glob("bertforge-*"):
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=False)
+            _drop_worktree(tree)
         shutil.rmtree(scratch, ignore_errors=True)
 
 
