@@ -71,8 +71,4 @@ read = tables.reader(read_targets)
 rows = tables.rows
 run_info = tables.run_info
 
-
-def out_of_fold(table: Table, cfg: TableConfig, names: Sequence[str], rows: np.ndarray, outputs: np.ndarray,
-                keys: Sequence[tuple[str, Sequence[Any]]]) -> tuple[list[str], list[list[Any]]]:  # fmt: skip
-    """oof.csv's header and rows: the keys, the true targets of `rows`, and the predictions beside them."""
-    return tables.prediction_table(prediction_columns, names, outputs, keys, truth_columns(table, cfg, rows))
+out_of_fold = tables.out_of_fold(prediction_columns, truth_columns)

@@ -14,6 +14,9 @@ from bertforge.tokenizer.load import Tokenizer
 
 # A task's prediction columns: (names, outputs (N, L), beside_truth) -> (header, rows).
 PredictionColumns = Callable[[Sequence[str], np.ndarray, bool], tuple[list[str], list[list[Any]]]]
+# A task's true-value columns of some rows: (table, cfg, rows) -> (header, rows).
+TruthColumns = Callable[[Table, TableConfig, np.ndarray], tuple[list[str], list[list[str]]]]
+OutOfFold = Callable[..., tuple[list[str], list[list[Any]]]]
 
 
 def reader(read_targets: TargetReader) -> Callable[[str, TableConfig, Sequence[str] | None], Table]:
@@ -56,3 +59,14 @@ def prediction_table(
     key_columns = [column for _, column in keys]
     body = [[*(c[i] for c in key_columns), *target_rows[i], *v] for i, v in enumerate(values)]
     return header, body
+
+
+def out_of_fold(columns: PredictionColumns, truth: TruthColumns) -> OutOfFold:
+    """A task's `out_of_fold`: oof.csv's header and rows, the keys, the true targets of the rows and the predictions
+    beside them, from its prediction and truth columns."""
+
+    def write(table: Table, cfg: TableConfig, names: Sequence[str], rows: np.ndarray, outputs: np.ndarray,
+              keys: Sequence[tuple[str, Sequence[Any]]]) -> tuple[list[str], list[list[Any]]]:  # fmt: skip
+        return prediction_table(columns, names, outputs, keys, truth(table, cfg, rows))
+
+    return write
