@@ -342,6 +342,29 @@ def test_a_key_given_as_a_value_and_as_a_section(yaml_text, argv, key, capsys, t
     shutil.rmtree(tmp)
 
 
+@pytest.mark.parametrize(
+    ("command", "key", "name", "needs"),
+    [
+        ("finetune", "train.attention", "splash", "a TPU"),
+        ("finetune", "train.attention", "pallas", "an NVIDIA GPU"),
+        ("pretrain", "model.attention", "splash", "a TPU"),
+    ],
+)
+def test_an_attention_this_machine_cannot_run_is_one_line_before_anything_is_written(
+    command, key, name, needs, model_dir, shards, capsys, tally
+):
+    tally("hostile")
+    tmp = scratch()
+    (tmp / "t.csv").write_text("text,label\na,1\nb,0\n", encoding="utf-8")
+    data = ["--model", str(model_dir), "--data", str(tmp / "t.csv")] if command == "finetune" else [
+        "--data", str(shards), "--model.preset=test"]  # fmt: skip
+    code, err = outcome([command, *data, f"--{key}={name}", "--out", str(tmp / "out")], capsys)
+    assert code == 2 and f"{key}={name}: attention '{name}' needs {needs}; this program runs on cpu" in err, err
+    written = sorted(p.name for p in (tmp / "out").iterdir()) if (tmp / "out").exists() else []
+    assert written in ([], [".lock"]), written  # pretrain's run lock is all
+    shutil.rmtree(tmp)
+
+
 @given(text=nasty_text)
 @example(text="model: {preset: test\n")
 @example(text="\t- a\n b: [")

@@ -13,6 +13,8 @@ attends only to keys j with |i - j| <= w, on top of the padding.
 - explicit: einsum and softmax with dropout on the probabilities, differentiated automatically.
 - pallas: fused kernels written in Pallas for NVIDIA GPUs (flash_attention.py), with dropout on the probabilities
   and any mask; `explicit` where its lengths or head size do not fit the kernels' blocks.
+- splash: jax's splash kernel for TPUs (splash_attention.py), padding and packed rows as segment ids; `xla` where
+  its lengths do not fit its blocks.
 """
 
 from __future__ import annotations
@@ -28,8 +30,10 @@ from bertforge.model.dropout import dropped, keep_mask
 from bertforge.model.flash_attention import fits, flash_attention
 from bertforge.model.layout import row_major
 from bertforge.model.mask_value import MASK_VALUE
+from bertforge.model.splash_attention import fits as splash_fits
+from bertforge.model.splash_attention import splash_attention as splash_kernel
 
-ATTENTIONS = ("auto", "custom", "xla", "cudnn", "explicit", "pallas")
+ATTENTIONS = ("auto", "custom", "xla", "cudnn", "explicit", "pallas", "splash")
 HALF_DTYPES = ("bfloat16", "float16")
 
 
@@ -272,12 +276,21 @@ def pallas_attention(
     return flash_attention(q, k, v, mask, key if rate else None, rate, window)
 
 
+def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, window: int | None = None) -> jax.Array:
+    """The splash kernel on a TPU; lengths it does not take (a layer that computes its first token only, a row
+    that is not whole blocks of 128) go to xla_attention."""
+    if not splash_fits(q.shape[1], k.shape[1]):
+        return xla_attention(q, k, v, mask, window=window)
+    return splash_kernel(q, k, v, mask, window=window)
+
+
 IMPLEMENTATIONS: dict[str, Callable[..., jax.Array]] = {
     "custom": custom_attention,
     "xla": xla_attention,
     "cudnn": cudnn_attention,
     "explicit": explicit_attention,
     "pallas": pallas_attention,
+    "splash": splash_attention,
 }
 WITH_DROPOUT = ("custom", "explicit", "pallas")
 
@@ -288,6 +301,15 @@ def cudnn_takes(dtype: str, head_dim: int, max_head_dim: int = 256) -> bool:
     return dtype in HALF_DTYPES and head_dim % 8 == 0 and head_dim <= max_head_dim
 
 
+def unavailable(requested: str, platform: str) -> str:
+    """Why the implementation `requested` cannot run on `platform` (jax.default_backend()); '' when it can."""
+    if requested in ("cudnn", "pallas") and platform != "gpu":
+        return f"attention {requested!r} needs an NVIDIA GPU; this program runs on {platform}"
+    if requested == "splash" and platform != "tpu":
+        return f"attention 'splash' needs a TPU; this program runs on {platform}"
+    return ""
+
+
 def choose_attention(
     requested: str, platform: str, dropout: bool, dtype: str = "bfloat16", head_dim: int | None = None
 ) -> str:
@@ -296,14 +318,15 @@ def choose_attention(
 
     Only `custom`, `explicit` and `pallas` have attention dropout: with it, `custom` and `pallas` are kept when
     asked for, `auto` takes `custom` on a CPU, and anything else becomes `explicit`, at the cost of the fused
-    kernel. `cudnn` and `pallas` need an NVIDIA GPU. Without dropout a named implementation is kept, and `auto`
-    takes `custom` on a CPU (its hand-written backward is the fastest there), `cudnn` on a GPU (`xla` where cuDNN
-    does not run: float32, or a head size every GPU generation does not take) and `xla` on a TPU.
+    kernel. `cudnn` and `pallas` need an NVIDIA GPU, `splash` a TPU. Without dropout a named implementation is
+    kept, and `auto` takes `custom` on a CPU (its hand-written backward is the fastest there), `cudnn` on a GPU
+    (`xla` where cuDNN does not run: float32, or a head size every GPU generation does not take) and `xla` on a
+    TPU (`splash` is not yet measured on one).
     """
     if requested not in ATTENTIONS:
         raise ValueError(f"attention {requested!r} is not one of {', '.join(ATTENTIONS)}")
-    if requested in ("cudnn", "pallas") and platform != "gpu":
-        raise ValueError(f"attention {requested!r} needs an NVIDIA GPU; this program runs on {platform}")
+    if why := unavailable(requested, platform):
+        raise ValueError(why)
     if dropout:
         if requested in ("custom", "pallas"):
             return requested

@@ -26,7 +26,7 @@ from bertforge.data.long_text import record_of, records_of
 from bertforge.data.text_packing import PackShape
 from bertforge.errors import UserError
 from bertforge.finetuning import TASKS
-from bertforge.model import dropout
+from bertforge.model import attention, dropout
 from bertforge.model.hf import Pretrained
 from bertforge.model.load import load_model
 from bertforge.runtime.devices import MeshConfig, build_mesh, param_shardings
@@ -106,6 +106,8 @@ def _setup(cfg: FinetuneConfig) -> Setup:
         raise UserError("no model given (--model HF_DIR_OR_HUB_ID_OR_RUN)")
     if not cfg.data.train:
         raise UserError("no training data given (--data TABLE)")
+    if why := attention.unavailable(cfg.train.attention, jax.default_backend()):
+        raise UserError(f"train.attention={cfg.train.attention}: {why}")
     task = TASKS[cfg.head.task]
     data = task.read(cfg.data.train, cfg.data, None)
     names = task.output_names(data, cfg.data)

@@ -49,7 +49,7 @@ class FinetuneTrainConfig:
     seed: int = 0  # data order and dropout
     dtype: str = "float32"  # compute dtype (bfloat16, or float16 with a loss scale: over float32 parameters)
     remat: bool = False  # recompute each layer's activations in the backward pass: less memory, ~1/3 more compute
-    attention: str = "auto"  # auto, custom, xla, cudnn or explicit: the attention implementation (model.attention)
+    attention: str = "auto"  # one of model.attention's: the attention implementation (model/attention.py)
     # Lazy AdamW on the word-embedding table: only the rows of each batch's tokens are updated (faster on short
     # texts; changes the numbers, see train/sequence_step.py).
     sparse_embeddings: bool = False

@@ -21,6 +21,7 @@ from bertforge.data.shards import Shards
 from bertforge.errors import UserError
 from bertforge.fileio import write_folder_atomic
 from bertforge.model.architectures import SEGMENT_FAMILIES, count_params
+from bertforge.model.attention import unavailable
 from bertforge.model.hf import Pretrained
 from bertforge.model.load import load_to_continue
 from bertforge.runtime.devices import param_shardings
@@ -81,6 +82,8 @@ def resolve(cfg: Any, run_dir: Path, vocab_given: bool, model_keys: Collection[s
         raise UserError(f"--init-from {cfg.init_from}: continuing from a model is for objective mlm, not rtd")
     if cfg.objective == "rtd" and cfg.model.dtype == "float16":
         raise UserError("model.dtype=float16 is for objective mlm: replaced-token detection has no loss scale")
+    if why := unavailable(cfg.model.attention, jax.default_backend()):
+        raise UserError(f"model.attention={cfg.model.attention}: {why}")
     init = load_to_continue(cfg.init_from, cfg.model, model_keys, cfg.train.seed) if cfg.init_from else None
     tokenizer = _tokenizer(cfg, run_dir, train_shards, init)
     model_cfg = init.model.config if init is not None else fit_to_tokenizer(cfg.model, tokenizer, vocab_given)
