@@ -15,7 +15,7 @@ from flax import nnx
 from bertforge.model import attention as attn
 from bertforge.model.architectures import build
 from bertforge.model.config import preset
-from bertforge.model.splash_attention import fits, segment_ids, splash_attention
+from bertforge.model.splash_attention import _kernel, fits, segment_ids, splash_attention
 
 # One block of 128; a full row, a padded row and a filler row; N heads of H.
 B, T, N, H = 3, 128, 2, 16
@@ -90,6 +90,22 @@ def test_lengths_the_kernel_does_not_take_go_to_xla():
     np.testing.assert_array_equal(
         np.asarray(attn.splash_attention(*short, mask)), np.asarray(attn.xla_attention(*short, mask))
     )
+
+
+def test_programs_of_other_shapes_share_the_kernel_compiled_ahead_or_not():
+    # The kernel is kept across programs (a training step, then an evaluation of another batch): built inside the
+    # first one's trace, its arrays were that trace's and broke every later program.
+    _kernel.cache_clear()  # first built inside a trace, as in a run
+    q, k, v, d_out = arrays()
+    mask = mask_of("packed")
+    grads = jax.jit(lambda q, k, v: jax.vjp(lambda *x: splash_attention(*x, mask), q, k, v)[1](d_out))
+    forward = jax.jit(lambda q, k, v, m: splash_attention(q, k, v, m))
+    two = (q[:2], k[:2], v[:2], mask[:2])  # another batch size: another program
+    seen = np.asarray(tokens_of("packed"))[:2]
+    want = np.asarray(attn.custom_attention(*two))[seen]
+    assert len(grads(q, k, v)) == 3
+    for run in (forward, forward.lower(*two).compile()):
+        np.testing.assert_allclose(np.asarray(run(*two))[seen], want, atol=1e-5)
 
 
 def test_the_rule_keeps_splash_on_a_tpu_without_dropout_only():

@@ -57,7 +57,9 @@ def _kernel(length: int, heads: int, window: int | None, interpret: bool) -> Any
         block_q_dq=b, block_kv_dq=b,
     )  # fmt: skip
     multi = masks.MultiHeadMask([one] * heads)
-    return kernels.make_splash_mha(multi, head_shards=1, q_seq_shards=1, block_sizes=sizes, interpret=interpret)
+    # Built as concrete arrays even when first asked for inside a trace: the kernel is kept for every program.
+    with jax.ensure_compile_time_eval():
+        return kernels.make_splash_mha(multi, head_shards=1, q_seq_shards=1, block_sizes=sizes, interpret=interpret)
 
 
 def splash_attention(
