@@ -15,6 +15,7 @@ import numpy as np
 from jax import monitoring
 from test_finetune import river_rows, write_table
 
+from bertforge.runtime import devices
 from bertforge.train.ahead import Ahead, signature
 
 COMPILES: collections.Counter = collections.Counter()
@@ -110,3 +111,21 @@ def test_without_threads_nothing_compiles_ahead(monkeypatch):
     assert fn.threads == 0 and fn.compiled() == 0
     np.testing.assert_array_equal(np.asarray(fn(jnp.ones(3))), 2.0)
     assert fn.compiled() == 1
+
+
+def test_a_program_compiled_ahead_is_traced_under_the_run_mesh_of_who_asked():
+    # A kernel each device runs on its own part (runtime/devices.py's per_device) finds the run's mesh while
+    # its program is traced, in the compiling thread too.
+    seen = []
+
+    def traced(x: jax.Array) -> jax.Array:
+        seen.append((threading.current_thread().name, devices._RUN_MESH.get()))
+        return x * 2
+
+    mesh = devices.make_mesh(data=8)
+    fn = Ahead(jax.jit(traced), threads=1)
+    with devices.run_mesh(mesh):
+        fn.ahead(jax.ShapeDtypeStruct((8,), jnp.float32))
+        np.testing.assert_array_equal(np.asarray(fn(jnp.ones(8))), 2.0)
+    assert [(name.startswith("compile"), m) for name, m in seen] == [(True, mesh)]
+    assert devices._RUN_MESH.get() is None

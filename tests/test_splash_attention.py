@@ -11,11 +11,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import NamedSharding
 
 from bertforge.model import attention as attn
+from bertforge.model import splash_attention as splash
 from bertforge.model.architectures import build
 from bertforge.model.config import preset
 from bertforge.model.splash_attention import _kernel, fits, segment_ids, splash_attention
+from bertforge.runtime.devices import logical_to_mesh, make_mesh, run_mesh
 
 # One block of 128; a full row, a padded row and a filler row; N heads of H.
 B, T, N, H = 3, 128, 2, 16
@@ -106,6 +109,26 @@ def test_programs_of_other_shapes_share_the_kernel_compiled_ahead_or_not():
     assert len(grads(q, k, v)) == 3
     for run in (forward, forward.lower(*two).compile()):
         np.testing.assert_allclose(np.asarray(run(*two))[seen], want, atol=1e-5)
+
+
+def test_on_8_devices_each_device_runs_the_kernel_on_its_own_rows_and_heads(monkeypatch):
+    # data 2 x fsdp 2 split the 4 rows, tensor 2 the 2 heads: each device's kernel has 1 head and 1 row.
+    built = []
+    monkeypatch.setattr(splash, "_kernel", lambda t, n, w, i: built.append(n) or _kernel(t, n, w, i))
+    rng = np.random.default_rng(3)
+    q, k, v, d_out = (jnp.asarray(rng.standard_normal((4, T, N, H)), jnp.float32) for _ in range(4))
+    segments = np.stack([*SEGMENTS[:2], np.repeat([1, 2], [64, 64]), SEGMENTS[0]])
+    mask = attn.segment_mask(jnp.asarray(segments, jnp.int32))
+    seen = jnp.asarray(segments > 0)
+    want = value_and_grads(lambda q, k, v: attn.custom_attention(q, k, v, mask), q, k, v, d_out, seen)
+    mesh = make_mesh(data=2, fsdp=2, tensor=2)
+    rows = NamedSharding(mesh, logical_to_mesh(("batch", "length", "heads", None)))
+    q, k, v, d_out = (jax.device_put(x, rows) for x in (q, k, v, d_out))
+    with run_mesh(mesh):
+        got = value_and_grads(jax.jit(lambda q, k, v: splash_attention(q, k, v, mask)), q, k, v, d_out, seen)
+    assert built and set(built) == {1}
+    for name, g, w in zip(("output", "dq", "dk", "dv"), got, want, strict=True):
+        np.testing.assert_allclose(g, w, atol=1e-5, err_msg=name)
 
 
 def test_the_rule_keeps_splash_on_a_tpu_without_dropout_only():

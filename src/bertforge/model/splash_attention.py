@@ -5,8 +5,9 @@ Padding and rows that pack several texts reach the kernel as segment ids (a quer
 segment), derived from attention's mask; ModernBERT's local window is the kernel's static mask. The kernel has no
 dropout on the probabilities and computes every query of a row, so attention.py sends attention dropout, a layer
 that computes its first token only, and lengths that are not whole blocks of 128 elsewhere. Away from a TPU it runs
-in Pallas's TPU interpreter, which is what the tests compare with the formula. The kernel sees whole arrays: on
-several devices XLA gathers its operands, so it suits programs of one device.
+in Pallas's TPU interpreter, which is what the tests compare with the formula. XLA cannot split a Pallas call over
+devices (it would gather the operands), so in a run of several devices each device runs the kernel on its own rows
+and heads (runtime/devices.py's per_device).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+
+from bertforge.runtime.devices import per_device
 
 LANES = 128  # a block of queries or keys is a multiple of the TPU's 128 lanes
 BLOCKS = (512, 256, LANES)  # the largest that divides the length is taken
@@ -73,16 +76,22 @@ def splash_attention(
     """q, k, v (B, T, N, H), mask (B, 1, 1, T) or (B, 1, T, T) -> (B, T, N, H): softmax(q k^T / sqrt(H)) v within
     each query's segment (and `window`), by the splash kernel; fits(Q, T) must hold. `interpret`: in Pallas's
     TPU interpreter (None: where this process has no TPU)."""
-    _, t, n, h = k.shape
+    h = k.shape[-1]
     if interpret is None:
         interpret = jax.devices()[0].platform != "tpu"
-    kernel = _kernel(t, n, window, interpret)
-    segments = segment_ids(mask)
     scaled = (q.astype(jnp.float32) * h**-0.5).astype(q.dtype)  # the kernel does not scale its logits
-    heads_first = lambda x: x.transpose(0, 2, 1, 3)  # noqa: E731  (B, N, T, H)
+    rows = ("batch", "length", "heads", None)
 
-    def one_row(q: jax.Array, k: jax.Array, v: jax.Array, s: jax.Array) -> jax.Array:
-        return kernel(q, k, v, segment_ids=_modules()[0].SegmentIds(q=s, kv=s))
+    def on_device(q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array) -> jax.Array:
+        # Each device's rows and heads: (b, t, n, h), its own kernel for its n heads.
+        kernel = _kernel(k.shape[1], k.shape[2], window, interpret)
+        heads_first = lambda x: x.transpose(0, 2, 1, 3)  # noqa: E731  (b, n, t, h)
 
-    out = jax.vmap(one_row)(heads_first(scaled), heads_first(k), heads_first(v), segments)  # (B, N, T, H)
-    return out.transpose(0, 2, 1, 3).astype(q.dtype)
+        def one_row(q: jax.Array, k: jax.Array, v: jax.Array, s: jax.Array) -> jax.Array:
+            return kernel(q, k, v, segment_ids=_modules()[0].SegmentIds(q=s, kv=s))
+
+        out = jax.vmap(one_row)(heads_first(q), heads_first(k), heads_first(v), segments)  # (b, n, t, h)
+        return out.transpose(0, 2, 1, 3)
+
+    out = per_device(on_device, (scaled, k, v, segment_ids(mask)), (rows, rows, rows, ("batch", "length")))
+    return out.astype(q.dtype)

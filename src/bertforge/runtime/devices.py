@@ -6,8 +6,10 @@ over. Data parallel is ('data',); FSDP shards parameters over 'fsdp'; 'tensor' i
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -131,6 +133,33 @@ def shard_model(model: nnx.Module, mesh: Mesh) -> None:
     state = nnx.state(model, nnx.Param)
     shardings = param_shardings(model, mesh)
     nnx.update(model, jax.device_put(state, shardings))
+
+
+# The mesh of the run whose programs are being traced (run_mesh), for kernels that work on each device's part.
+_RUN_MESH: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar("run_mesh", default=None)
+
+
+@contextlib.contextmanager
+def run_mesh(mesh: Mesh) -> Iterator[None]:
+    """The mesh of the programs traced inside (in this thread, or in one given a copy of its context)."""
+    token = _RUN_MESH.set(mesh)
+    try:
+        yield
+    finally:
+        _RUN_MESH.reset(token)
+
+
+def per_device(
+    fn: Callable[..., jax.Array], args: tuple[jax.Array, ...], axes: tuple[tuple[str | None, ...], ...]
+) -> jax.Array:
+    """fn(*args) computed by each device of the run's mesh on its own part of the arrays (shard_map), split as
+    their logical `axes` say (the output split as the first argument's); on whole arrays outside a run of
+    several devices. For a kernel XLA cannot split itself (a Pallas call), which would gather its operands."""
+    mesh = _RUN_MESH.get()
+    if mesh is None or mesh.size == 1:
+        return fn(*args)
+    specs = tuple(spec_for(dict(mesh.shape), a, x.shape) for a, x in zip(axes, args, strict=True))
+    return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=specs[0], check_vma=False)(*args)
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

@@ -29,7 +29,7 @@ from bertforge.finetuning import TASKS
 from bertforge.model import attention, dropout
 from bertforge.model.hf import Pretrained
 from bertforge.model.load import load_model
-from bertforge.runtime.devices import MeshConfig, build_mesh, param_shardings
+from bertforge.runtime.devices import MeshConfig, build_mesh, param_shardings, run_mesh
 from bertforge.tasks import packed_batches
 from bertforge.tasks.finetune_fold import FinetuneTrainConfig, Job, train_fold
 from bertforge.tasks.fold_eval import scores
@@ -279,7 +279,8 @@ def _folds(
         if done is not None:
             results.append(done)
             continue
-        result = train_fold(job, f, *_fold_rows(table, valid, folds, f), resume)
+        with run_mesh(job.mesh):
+            result = train_fold(job, f, *_fold_rows(table, valid, folds, f), resume)
         print(f"fold {f}: {job.metric} {result['score']:.4f} in {result['seconds']:.0f} s", flush=True)
         results.append(result)
     hub.finish(job.publisher, functools.partial(print, flush=True))

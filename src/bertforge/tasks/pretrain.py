@@ -22,7 +22,7 @@ from bertforge.data.ramp import Ramp, make_loader, ramp_of
 from bertforge.errors import UserError
 from bertforge.model.config import ModelConfig, preset
 from bertforge.model.rtd import RtdConfig, generator_config
-from bertforge.runtime.devices import MeshConfig, build_mesh, fetch, process_0s
+from bertforge.runtime.devices import MeshConfig, build_mesh, fetch, process_0s, run_mesh
 from bertforge.tasks.export import export_pretrained
 from bertforge.tasks.pretrain_setup import (
     Inputs,
@@ -279,5 +279,6 @@ def _main(
     publisher = hub.open_publisher(cfg.hub, log.message)
     run = _Run(cfg, run_dir, inputs, model, mesh, loader, step_fn.eval_fn, log, checkpoints, publisher)
     log.message(_banner(cfg, inputs, model.num_params, mesh, loader.batches_per_epoch, start_step))
-    step, elapsed = _train(run, state, step_fn, budget, start_step, elapsed)
+    with run_mesh(mesh):  # the programs are traced at their first use
+        step, elapsed = _train(run, state, step_fn, budget, start_step, elapsed)
     return {**run.last, "step": step, "elapsed": elapsed}

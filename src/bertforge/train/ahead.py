@@ -9,6 +9,7 @@ XLA releases the GIL while it compiles, so threads are enough.
 from __future__ import annotations
 
 import concurrent.futures
+import contextvars
 import os
 import threading
 from collections.abc import Callable
@@ -61,7 +62,8 @@ class Ahead:
                 return
             if self.pool is None:
                 self.pool = concurrent.futures.ThreadPoolExecutor(self.threads, thread_name_prefix="compile")
-            self.programs[key] = self.pool.submit(self._compile, args, kwargs)
+            # The thread traces in the caller's context (runtime/devices.py's run mesh).
+            self.programs[key] = self.pool.submit(contextvars.copy_context().run, self._compile, args, kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         key = signature(args, kwargs)
