@@ -11,12 +11,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import NamedSharding
 
 from bertforge.model import attention as attn
 from bertforge.model.architectures import build
 from bertforge.model.config import preset
 from bertforge.model.dropout import Dropout
 from bertforge.model.flash_attention import fits, flash_attention
+from bertforge.runtime.devices import logical_to_mesh, make_mesh, run_mesh
 
 # Three blocks of 16 keys and queries in the forward and the backward; one full row, one padded, one filler.
 B, T, N, H = 3, 48, 2, 16
@@ -73,6 +75,29 @@ def test_pallas_attention_takes_what_the_kernels_do_not_to_explicit():
     got = attn.pallas_attention(first, k, v, mask, dropout, key)
     want = attn.explicit_attention(first, k, v, mask, dropout, key)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_on_8_devices_each_device_draws_its_part_of_the_whole_batchs_dropout():
+    # data 2 x fsdp 2 split the 4 rows, tensor 2 the 2 heads: each device's kernels see 1 row and 1 head and draw
+    # the masks of that row and head of the whole batch, so the numbers are one device's.
+    rng = np.random.default_rng(5)
+    q, k, v, d_out = (jnp.asarray(rng.standard_normal((4, T, N, H)), jnp.float32) for _ in range(4))
+    segments = np.zeros((4, T), np.int32)
+    segments[:, :40] = np.repeat([1, 2], [22, 18])
+    segments[1, 40:] = 3
+    mask = attn.segment_mask(jnp.asarray(segments))
+    dropout, key = Dropout(0.1, rngs=nnx.Rngs(dropout=0)), jax.random.key(11)
+    want = value_and_grads(lambda q, k, v: attn.custom_attention(q, k, v, mask, dropout, key), q, k, v, d_out)
+    mesh = make_mesh(data=2, fsdp=2, tensor=2)
+    rows = NamedSharding(mesh, logical_to_mesh(("batch", "length", "heads", None)))
+    q, k, v, d_out = (jax.device_put(x, rows) for x in (q, k, v, d_out))
+    with run_mesh(mesh):
+        fn = jax.jit(lambda q, k, v: attn.pallas_attention(q, k, v, mask, dropout, key))
+        got = value_and_grads(fn, q, k, v, d_out)
+        text = fn.lower(q, k, v).as_text()
+    assert "shard_map" in text or "sdy.manual_computation" in text  # each device on its own part
+    for name, g, w in zip(("output", "dq", "dk", "dv"), got, want, strict=True):
+        np.testing.assert_allclose(g, w, atol=1e-5, err_msg=name)
 
 
 def test_the_rule_keeps_pallas_with_dropout_on_a_gpu_only():

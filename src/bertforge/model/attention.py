@@ -32,6 +32,7 @@ from bertforge.model.layout import row_major
 from bertforge.model.mask_value import MASK_VALUE
 from bertforge.model.splash_attention import fits as splash_fits
 from bertforge.model.splash_attention import splash_attention as splash_kernel
+from bertforge.runtime.devices import per_device
 
 ATTENTIONS = ("auto", "custom", "xla", "cudnn", "explicit", "pallas", "splash")
 HALF_DTYPES = ("bfloat16", "float16")
@@ -273,7 +274,14 @@ def pallas_attention(
     if not fits(q.shape[1], k.shape[1], q.shape[-1]):
         return explicit_attention(q, k, v, mask, dropout, key, window)
     rate = _dropout_rate(dropout, key)
-    return flash_attention(q, k, v, mask, key if rate else None, rate, window)
+
+    def on_device(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, starts: tuple) -> jax.Array:
+        # Each device's rows and heads (several devices: XLA cannot split a Pallas call), drawing the whole batch's
+        # dropout masks from its first row and head.
+        return flash_attention(q, k, v, mask, key if rate else None, rate, window, first=(starts[0], starts[2]))
+
+    rows = ("batch", "length", "heads", None)
+    return per_device(on_device, (q, k, v, mask), (rows, rows, rows, ("batch", None, None, None)), starts=True)
 
 
 def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, window: int | None = None) -> jax.Array:

@@ -55,10 +55,11 @@ def _allowed(mask_ref, q0, k0, bq: int, bk: int, window: int | None) -> jax.Arra
 
 def _keep(seed_ref, where, bq: int, bk: int, q_len: int, t_len: int, threshold: int) -> jax.Array:
     """(bq, bk) bool: dropout.keep_mask's draw for the elements (b, n, q0 + i, k0 + j) of the (B, N, Q, T)
-    probabilities, where = (b, n, q0, k0): mix(mix(index ^ mix(b ^ s0)) + s1), index = (n Q + i) T + j."""
+    probabilities, where = (b, n, q0, k0): mix(mix(index ^ mix(b ^ s0)) + s1), index = (n Q + i) T + j; b and n
+    counted from the seed's first row and head (s2, s3: a device's part of the whole batch)."""
     u32 = jnp.uint32
     b, n, q0, k0 = where
-    b, n = b.astype(u32), n.astype(u32)
+    b, n = b.astype(u32) + seed_ref[2], n.astype(u32) + seed_ref[3]
     rows = mix(b ^ seed_ref[0])
     qi = (q0 + jnp.arange(bq)).astype(u32)[:, None]
     kj = (k0 + jnp.arange(bk)).astype(u32)[None, :]
@@ -190,8 +191,8 @@ def _per_query(block: int, whole: bool = False) -> pl.BlockSpec:
 
 
 def _shared(mask: jax.Array) -> list[pl.BlockSpec]:
-    """The specs of the two inputs every kernel takes last: the row's (Qm, T) mask and the (2,) dropout seed."""
-    return [pl.BlockSpec((None, *mask.shape[1:]), lambda i, b, n: (b, 0, 0)), pl.BlockSpec((2,), lambda i, b, n: (0,))]
+    """The specs of the two inputs every kernel takes last: the row's (Qm, T) mask and the (4,) dropout seed."""
+    return [pl.BlockSpec((None, *mask.shape[1:]), lambda i, b, n: (b, 0, 0)), pl.BlockSpec((4,), lambda i, b, n: (0,))]
 
 
 def _call(kernel, grid, in_specs, out_specs, out_shape, interpret: bool, name: str):
@@ -266,11 +267,13 @@ def flash_attention(
     rate: float = 0.0,
     window: int | None = None,
     interpret: bool | None = None,
+    first: tuple[jax.Array, jax.Array] | None = None,
 ) -> jax.Array:
     """softmax(q k^T / sqrt(H), MASK_VALUE where `mask` is False or outside the `window`) v, with the probabilities
     dropped at `rate` by dropout.keep_mask's draw for `key` when one is given: attention.custom_attention's
     numbers. Lengths and head size as `fits` takes them. `interpret`: run in Pallas's interpreter (default: on
-    any platform but a GPU)."""
+    any platform but a GPU). `first`: the row and head of the whole batch that q's first are (a device's part),
+    so that the dropout draws are the whole batch's."""
     (b, q_len, _, h), t_len = q.shape, k.shape[1]
     if not fits(q_len, t_len, h):
         raise ValueError(
@@ -280,5 +283,6 @@ def flash_attention(
     mask = jnp.broadcast_to(mask, (b, 1, rows, t_len)).reshape(b, rows, t_len).astype(jnp.int8)  # (B, Qm, T)
     rate = float(rate) if key is not None else 0.0
     seeds = jax.random.key_data(key).reshape(-1)[:2].astype(jnp.uint32) if rate else jnp.zeros((2,), jnp.uint32)
+    seeds = jnp.concatenate([seeds, jnp.asarray((0, 0) if first is None else first).astype(jnp.uint32)])
     interpret = jax.default_backend() != "gpu" if interpret is None else interpret
     return _flash(q, k, v, mask, seeds, (h**-0.5, rate, window, q_len, t_len), interpret)

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -150,16 +151,36 @@ def run_mesh(mesh: Mesh) -> Iterator[None]:
 
 
 def per_device(
-    fn: Callable[..., jax.Array], args: tuple[jax.Array, ...], axes: tuple[tuple[str | None, ...], ...]
+    fn: Callable[..., jax.Array],
+    args: tuple[jax.Array, ...],
+    axes: tuple[tuple[str | None, ...], ...],
+    starts: bool = False,
 ) -> jax.Array:
     """fn(*args) computed by each device of the run's mesh on its own part of the arrays (shard_map), split as
     their logical `axes` say (the output split as the first argument's); on whole arrays outside a run of
-    several devices. For a kernel XLA cannot split itself (a Pallas call), which would gather its operands."""
+    several devices. For a kernel XLA cannot split itself (a Pallas call), which would gather its operands.
+    `starts`: fn also takes starts=, where the device's part of the first argument begins in the whole array
+    along each axis ((int32 scalars), zeros on whole arrays), for a kernel whose numbers depend on positions."""
     mesh = _RUN_MESH.get()
     if mesh is None or mesh.size == 1:
-        return fn(*args)
+        return fn(*args, starts=(jnp.int32(0),) * args[0].ndim) if starts else fn(*args)
     specs = tuple(spec_for(dict(mesh.shape), a, x.shape) for a, x in zip(axes, args, strict=True))
-    return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=specs[0], check_vma=False)(*args)
+
+    def part(*local: jax.Array) -> jax.Array:
+        if not starts:
+            return fn(*local)
+        at = zip(specs[0], local[0].shape, strict=True)
+        return fn(*local, starts=tuple(_shard_index(mesh, names) * n for names, n in at))
+
+    return jax.shard_map(part, mesh=mesh, in_specs=specs, out_specs=specs[0], check_vma=False)(*args)
+
+
+def _shard_index(mesh: Mesh, names: str | tuple[str, ...] | None) -> jax.Array:
+    """Inside shard_map: this device's index along an array axis split over mesh axes `names` (major first)."""
+    index = jnp.int32(0)
+    for name in (names,) if isinstance(names, str) else (names or ()):
+        index = index * mesh.shape[name] + jax.lax.axis_index(name)
+    return index
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
