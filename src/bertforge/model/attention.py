@@ -30,6 +30,7 @@ from bertforge.model.dropout import dropped, keep_mask
 from bertforge.model.flash_attention import fits, flash_attention
 from bertforge.model.layout import row_major
 from bertforge.model.mask_value import MASK_VALUE
+from bertforge.model.splash_attention import QKV_AXES
 from bertforge.model.splash_attention import fits as splash_fits
 from bertforge.model.splash_attention import splash_attention as splash_kernel
 from bertforge.runtime.devices import per_device
@@ -280,8 +281,8 @@ def pallas_attention(
         # dropout masks from its first row and head.
         return flash_attention(q, k, v, mask, key if rate else None, rate, window, first=(starts[0], starts[2]))
 
-    rows = ("batch", "length", "heads", None)
-    return per_device(on_device, (q, k, v, mask), (rows, rows, rows, ("batch", None, None, None)), starts=True)
+    axes = (QKV_AXES, QKV_AXES, QKV_AXES, ("batch", None, None, None))
+    return per_device(on_device, (q, k, v, mask), axes, starts=True)
 
 
 def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, window: int | None = None) -> jax.Array:

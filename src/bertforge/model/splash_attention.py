@@ -22,6 +22,7 @@ from bertforge.runtime.devices import per_device
 
 LANES = 128  # a block of queries or keys is a multiple of the TPU's 128 lanes
 BLOCKS = (512, 256, LANES)  # the largest that divides the length is taken
+QKV_AXES = ("batch", "length", "heads", None)  # the logical axes of q, k and v (B, T, N, H) that per_device splits
 
 
 def fits(q_len: int, t_len: int) -> bool:
@@ -78,9 +79,8 @@ def splash_attention(
     TPU interpreter (None: where this process has no TPU)."""
     h = k.shape[-1]
     if interpret is None:
-        interpret = jax.devices()[0].platform != "tpu"
+        interpret = jax.default_backend() != "tpu"
     scaled = (q.astype(jnp.float32) * h**-0.5).astype(q.dtype)  # the kernel does not scale its logits
-    rows = ("batch", "length", "heads", None)
 
     def on_device(q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array) -> jax.Array:
         # Each device's rows and heads: (b, t, n, h), its own kernel for its n heads.
@@ -93,5 +93,6 @@ def splash_attention(
         out = jax.vmap(one_row)(heads_first(q), heads_first(k), heads_first(v), segments)  # (b, n, t, h)
         return out.transpose(0, 2, 1, 3)
 
-    out = per_device(on_device, (scaled, k, v, segment_ids(mask)), (rows, rows, rows, ("batch", "length")))
+    axes = (QKV_AXES, QKV_AXES, QKV_AXES, ("batch", "length"))
+    out = per_device(on_device, (scaled, k, v, segment_ids(mask)), axes)
     return out.astype(q.dtype)
