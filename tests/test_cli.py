@@ -7,6 +7,7 @@ import csv
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 import typing
@@ -417,6 +418,21 @@ def test_flag_mistakes_get_one_line_errors(capsys):
     assert_one_line_error(*run_cli(capsys, "predict", "--model", "m", "--data", "d", "--out", "o", "--batch-size", "x"),
                           "--batch-size", "invalid int value")  # fmt: skip
     assert_one_line_error(*run_cli(capsys, "nonsense"), "invalid choice: 'nonsense'")
+
+
+@pytest.mark.parametrize("name", list(COMMANDS))
+def test_every_flag_says_what_it_does(name):
+    """Each flag's help is its own field's comment, not only its default: a comment above a run of fields names
+    the first field alone, so a field that shares one shows a bare flag or another field's description."""
+    sub = _subparsers(build_parser({name}))[name]
+    bare = []
+    for action in sub._actions:
+        flag = action.option_strings[0] if action.option_strings else ""
+        if not flag.startswith("--") or "." in flag or flag == "--help":
+            continue  # positionals and --section.key overrides (those list every config field)
+        if not re.sub(r"\(?default: [^)]*\)?", "", action.help or "").strip():
+            bare.append(flag)
+    assert not bare, (name, bare)
 
 
 @pytest.mark.parametrize("name", list(COMMANDS))

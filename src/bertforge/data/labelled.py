@@ -24,14 +24,14 @@ WINDOW_POOLS: tuple[str, ...] = get_args(WindowPool)
 class TableConfig:
     train: str = ""  # training table: CSV, TSV, JSONL or Parquet, local or fsspec URL
     valid: str = ""  # a separate validation table instead of folds
-    text_column: str = "text"
-    text_pair_column: str | None = None
+    text_column: str = "text"  # the text, or a pair's first
+    text_pair_column: str | None = None  # a pair's second text, encoded with the first
     target_columns: tuple[str, ...] = ("target",)  # one per output; several 0/1 columns for multilabel
-    id_column: str | None = None  # default: 'id' when the table has it
+    id_column: str | None = None  # each row's id, kept in the predictions (default: 'id' when the table has it)
     group_column: str | None = None  # rows sharing a value stay in one fold
     error_column: str | None = None  # standard error of the target: rows weighted by 1 / error^2
     max_length: int = 256  # tokens per text
-    truncation: Truncation = "head"
+    truncation: Truncation = "head"  # a longer text keeps its start (head), its end (tail) or both (head+tail)
     bucket: int = 8  # padded lengths are multiples of this; 0 pads every batch to max_length
     shapes: int = 6  # at most this many padded lengths, chosen from the training texts; 0: every multiple of bucket
     # Training batches per pool of shuffled rows sorted by length (batching.epoch_batches): a batch holds texts of
@@ -43,21 +43,19 @@ class TableConfig:
     # false: never.
     pack: bool | None = None
     quoted_tsv: bool = False  # .tsv tables written with CSV quoting; by default a TSV has none and '"' is text
-    # Token classification: its files' format (conll, jsonl or json; default: from the file name), the tag scheme
-    # trained (io, bio or bioes; default: the data's own, bio for character spans), whether every sub-token of a
-    # word takes its label in the loss (default: its first), and the tokens a long text's windows overlap by.
-    format: str = ""
+    format: str = ""  # token classification: the files' format, conll, jsonl or json (default: from the file name)
+    # Token classification: the tag scheme trained, io, bio or bioes (default: the data's own; bio for spans).
     tag_scheme: str = ""
-    label_all_tokens: bool = False
-    stride: int = 32
+    label_all_tokens: bool = False  # token classification: every sub-token of a word takes its label in the loss
+    stride: int = 32  # the tokens by which a long text's windows overlap (entities, questions, long_text=windows)
     # Regression and classification: a text longer than max_length is truncated (as `truncation` says), or cut
-    # into windows overlapping by `stride` tokens whose outputs are pooled (window_pool: mean or max).
+    # into windows overlapping by `stride` tokens whose outputs are pooled (window_pool).
     long_text: LongTextMode = "truncate"
-    window_pool: WindowPool = "mean"
-    # Question answering: the question's tokens kept in each window (the rest cut), the longest answer in tokens,
-    # and by how much the null answer must beat the best span when the data has questions without one (v2.0).
-    max_question_length: int = 64
-    max_answer_length: int = 30
+    window_pool: WindowPool = "mean"  # long_text=windows: the windows' outputs pooled by mean or max
+    max_question_length: int = 64  # question answering: the question's tokens kept in each window (the rest cut)
+    max_answer_length: int = 30  # question answering: the longest answer, in tokens
+    # Question answering with questions that have no answer (SQuAD v2.0): by how much the null answer must beat
+    # the best span.
     null_threshold: float = 0.0
     # Multiple choice: a column read before each question as its context (run_swag's first sentence).
     context_column: str | None = None

@@ -32,13 +32,13 @@ class EmbedConfig:
     model: str  # a sentence-transformers or Hugging Face folder, hub id, embedding fine-tuning run or pretraining run
     data: str  # a table: CSV, TSV, JSONL or Parquet
     out: str  # .npy ((N, D) float32) or .parquet (the id column, if any, and an 'embedding' column)
-    text_column: str = "text"
+    text_column: str = "text"  # the column of texts to embed
     id_column: str | None = None  # kept in a .parquet out; 'id' is kept when present and this is unset
-    batch_size: int = 64
-    max_length: int | None = None  # default: the fine-tuning run's, else the model's
-    truncation: Truncation = "head"
+    batch_size: int = 64  # texts per batch
+    max_length: int | None = None  # tokens per text (default: the fine-tuning run's, else the model's)
+    truncation: Truncation = "head"  # a longer text keeps its start (head), its end (tail) or both (head+tail)
     dtype: str = "float32"  # bfloat16 computes in bfloat16 (vectors are written as float32)
-    quoted_tsv: bool = False
+    quoted_tsv: bool = False  # a .tsv table written with CSV quoting; by default a TSV has none and '"' is text
     # By default several texts to a row, in batches of one shape, where the family and pooling allow it;
     # --no-pack: batches of texts of similar length, each padded to its longest.
     pack: bool = True

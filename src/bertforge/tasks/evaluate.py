@@ -37,17 +37,17 @@ class EvaluateConfig:
     # Labelled data as fine-tuning reads it: a table (CSV, TSV, JSONL, Parquet); tags as CoNLL, JSONL or JSON; SQuAD
     # JSON or question records; choices; pairs.
     data: str
-    task: str | None = None  # default: the run's; a folder's from its head
-    # The columns default to the run's data settings (its config.yaml), else to fine-tuning's ('text', 'target').
-    text_column: str | None = None
-    text_pair_column: str | None = None
-    target_columns: tuple[str, ...] = ()
-    context_column: str | None = None
+    task: str | None = None  # the fine-tuning task (default: the run's; a folder's from its head)
+    # Each column defaults to the run's data settings (its config.yaml), else to fine-tuning's default.
+    text_column: str | None = None  # the text, or a pair's first (default: the run's, else 'text')
+    text_pair_column: str | None = None  # a pair's second text (default: the run's)
+    target_columns: tuple[str, ...] = ()  # the labels or scores (default: the run's, else 'target')
+    context_column: str | None = None  # multiple choice: read before each question (default: the run's)
     format: str = ""  # token classification: conll, jsonl or json (default: from the file name)
     quoted_tsv: bool = False  # a .tsv table written with CSV quoting; by default a TSV has none and '"' is text
-    max_length: int | None = None  # default: the fine-tuning run's, else the model's
+    max_length: int | None = None  # tokens per text (default: the fine-tuning run's, else the model's)
     stride: int | None = None  # the tokens a long text's windows overlap by (default: the run's, else 32)
-    batch_size: int = 32
+    batch_size: int = 32  # texts per batch
     out: str | None = None  # a JSON file for the metrics
 
     def __post_init__(self) -> None:

@@ -49,7 +49,7 @@ Task = Literal[tuple(TASKS)]  # type: ignore[valid-type]
 
 @dataclasses.dataclass(frozen=True)
 class HeadConfig:
-    task: Task = "regression"
+    task: Task = "regression"  # what the head learns from the targets
     loss: str = ""  # default: the task's (mse, cross_entropy, mnrl, ...); more with sequence_step.register_loss
     metric: str = ""  # picks the best checkpoint; default: the task's (rmse, accuracy, ndcg@10, ...)
     # cls, mean, max or attention; default: cls, and for an embedding model the folder's own (a sentence-transformers

@@ -42,7 +42,7 @@ from bertforge.tokenizer.load import TRUNCATIONS, Tokenizer, Truncation
 class FillMaskConfig:
     model: str  # Hugging Face folder or hub id of a masked-LM model
     texts: tuple[str, ...]  # texts with one or more [MASK]
-    top_k: int = 5
+    top_k: int = 5  # candidates shown for each mask
 
 
 @nnx.jit
@@ -111,20 +111,22 @@ class PredictConfig:
     # choice: a table with choice0..N-1 columns, or records with a 'choices' list.
     data: str
     out: str  # CSV to write; for a token-classification model JSONL (CoNLL for CoNLL input); QA: CSV or JSONL
-    text_column: str | None = None  # default: the fine-tuning run's, else 'text'
-    text_pair_column: str | None = None
+    text_column: str | None = None  # the text, or a pair's first (default: the fine-tuning run's, else 'text')
+    text_pair_column: str | None = None  # a pair's second text (default: the fine-tuning run's)
     id_column: str | None = None  # kept in the output; 'id' is kept when present and this is unset
-    batch_size: int = 32
-    max_length: int | None = None  # default: the fine-tuning run's, else the model's
-    truncation: Truncation | None = None  # default: the fine-tuning run's, else 'head'
+    batch_size: int = 32  # texts per batch
+    max_length: int | None = None  # tokens per text (default: the fine-tuning run's, else the model's)
+    # A longer text keeps its start (head), its end (tail) or both (head+tail) (default: the fine-tuning run's, else
+    # head).
+    truncation: Truncation | None = None
     quoted_tsv: bool = False  # a .tsv table written with CSV quoting; by default a TSV has none and '"' is text
     format: str = ""  # a token-classification model's input: conll, jsonl or json (default: from the file name)
     n_best: int = 1  # a question-answering model's answers per question (a JSONL out lists them)
-    # A text longer than max_length: truncate, or windows whose outputs are pooled (mean or max), overlapping by
-    # `stride` tokens (default: the fine-tuning run's, else truncate, mean and 32).
+    # A text longer than max_length: truncate, or cut into windows whose outputs are pooled (default: the
+    # fine-tuning run's, else truncate).
     long_text: LongTextMode | None = None
-    window_pool: WindowPool | None = None
-    stride: int | None = None
+    window_pool: WindowPool | None = None  # windows' outputs pooled by mean or max (default: the run's, else mean)
+    stride: int | None = None  # the tokens by which windows overlap (default: the run's, else 32)
     context_column: str | None = None  # a multiple-choice model's: a column read before each question
 
     def __post_init__(self) -> None:

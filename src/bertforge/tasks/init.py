@@ -16,9 +16,9 @@ from bertforge.tokenizer.load import Tokenizer
 @dataclasses.dataclass(frozen=True)
 class InitConfig:
     model: ModelConfig = dataclasses.field(default_factory=lambda: preset("mini"))
-    head: Literal["mlm", "sequence", "token"] = "mlm"
-    num_labels: int = 1
-    seed: int = 0
+    head: Literal["mlm", "sequence", "token"] = "mlm"  # masked LM, one output per text, or one per token
+    num_labels: int = 1  # outputs of a sequence or token head
+    seed: int = 0  # the initial parameters
 
     def __post_init__(self) -> None:
         if self.num_labels < 1:

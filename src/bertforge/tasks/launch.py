@@ -32,10 +32,11 @@ NOISE = re.compile(r"^\[Gloo\] Rank \d+ is connected to")  # one line per peer f
 @dataclasses.dataclass(frozen=True)
 class LaunchConfig:
     command: tuple[str, ...]  # a bertforge subcommand and its arguments
-    num_processes: int = 2
+    num_processes: int = 2  # local processes, each one host of the run
     devices_per_process: int = 4  # simulated CPU devices of each process
     port: int = 0  # coordinator port; 0: a free one
-    log_dir: str = ""  # default: RUN/logs when the command has --out RUN, else a temporary folder
+    # Where each process's log goes (default: RUN/logs when the command has --out RUN, else a temporary folder).
+    log_dir: str = ""
 
     def __post_init__(self) -> None:
         if self.num_processes < 1:

@@ -44,13 +44,13 @@ class PreprocessConfig:
     tokenizer: str  # tokenizer folder
     files: tuple[str, ...]  # text, JSONL or Parquet: paths, globs, fsspec URLs
     out: str  # folder or fsspec URL for the shards and manifest.json
-    seq_len: int = 128
+    seq_len: int = 128  # tokens per sequence, the special tokens included
     mode: Mode = "concat"  # concat: cut the joined text; complete: whole sentences; doc: sentences of one document
     workers: int = 1  # tokenizer processes
     valid_fraction: float = 0.01  # share of documents held out
     valid_files: tuple[str, ...] = ()  # held-out files instead of a share of the documents
     shard_size: int = 65536  # sequences per shard
-    input_format: InputFormat = "auto"
+    input_format: InputFormat = "auto"  # text, jsonl or parquet; auto: from each file's name
     doc_per_line: bool = False  # text: one document per line, not per blank-line block
     text_field: str = "text"  # JSONL field or Parquet column holding the text
     seed: int = 0  # decides which documents are held out

@@ -20,9 +20,9 @@ class RetrievalConfig:
     data: str  # a BEIR folder (corpus.jsonl, queries.jsonl, qrels/SPLIT.tsv) or a table of (query, document) pairs
     split: str = "test"  # a BEIR folder's qrels file
     query_column: str = "query"  # a table's columns
-    document_column: str = "passage"
-    batch_size: int = 64
-    max_length: int | None = None  # default: the fine-tuning run's, else the model's
+    document_column: str = "passage"  # a table's column of documents
+    batch_size: int = 64  # texts per batch
+    max_length: int | None = None  # tokens per text (default: the fine-tuning run's, else the model's)
     dtype: str = "float32"  # bfloat16 computes in bfloat16
     out: str | None = None  # a JSON file for the scores
 

@@ -12,12 +12,12 @@ from bertforge.tokenizer.train import Kind, train_tokenizer
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TokenizerTrainConfig:
     files: tuple[str, ...]  # text files: paths, globs or fsspec URLs
-    kind: Kind = "wordpiece"
-    vocab_size: int = 30522
+    kind: Kind = "wordpiece"  # the tokenizer's model: wordpiece, unigram, bpe or wordlevel
+    vocab_size: int = 30522  # tokens in the vocabulary, the special tokens included
     out: str  # folder to write tokenizer.json and tokenizer_config.json
-    lowercase: bool = False
+    lowercase: bool = False  # lowercase (and strip accents from) the text before training and encoding
     style: Style | None = None  # special tokens (default: roberta for bpe)
-    min_frequency: int = 2
+    min_frequency: int = 2  # a token or merge seen fewer times is left out (WordPiece, BPE, WordLevel)
     model_max_length: int = 512  # model_max_length written for transformers
     sample_lines: int = 0  # train on this many lines drawn from all files (0: every line)
     seed: int = 0  # the sample's seed

@@ -34,7 +34,7 @@ class OptimConfig:
     # share of the budget, as 1 - sqrt (Hägele et al. 2024). Until the decay, a run's lr does not depend on its
     # budget: a run can be extended, or continued from a checkpoint of its stable phase.
     decay_fraction: float = 0.1
-    clip_norm: float | None = 1.0
+    clip_norm: float | None = 1.0  # gradients clipped to this global norm; null: no clipping
     layer_decay: float = 1.0  # layer-wise lr decay: layer i of L gets lr * decay^(L-1-i), embeddings decay^L
     head_lr: float | None = None  # the task head's lr (default: lr), scaled by the same schedule
 
