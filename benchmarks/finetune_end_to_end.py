@@ -23,10 +23,14 @@ the head's initialisation change; the folds do not) and the table gives the mean
     .venv/bin/python benchmarks/finetune_end_to_end.py --task sentences --seeds 0 1 2 --sparse-embeddings   # a third
     .venv/bin/python benchmarks/finetune_end_to_end.py --task sentences --seeds 0 1 2 --cold-cache
     .venv/bin/python benchmarks/finetune_end_to_end.py --task sentences --recipe defaults --epochs 1 --max-length 64
+    .venv/bin/python benchmarks/finetune_end_to_end.py --task jsts --data data/jglue/jsts-v1.3 --recipe defaults \
+        --epochs 1
 
 `--recipe defaults` runs both tools as a new user would: bertforge with its defaults (lr 5e-5, the checkpoint's own
 dropout) and the Trainer with the same settings, trained on one table and evaluated on a separate validation table
 (`--valid-data`; for `sentences`, every fifth row of the table: 1,996 training rows and 499 validation rows).
+`jsts` is a task of sentence pairs and this recipe only: JGLUE's JSTS (a folder with its train-v1.3.json and
+valid-v1.3.json), the similarity of two sentences (0-5) as a regression of the pair, on its own two splits.
 
 bertforge keeps the programs it compiles in a per-user cache (runtime/compile_cache.py), so a command run again, another
 seed or fold, skips most compilation. By default the runs share that cache as a user's runs would (the first
@@ -88,12 +92,27 @@ class Task:
     metric: str
     max_length: int
     higher_is_better: bool
+    pair: str | None = None  # the column of a pair's second text
 
 
 TASKS = {
     "commonlit": Task("excerpt", "target", "regression", "rmse", 256, False),
     "sentences": Task("text", "module", "classification", "accuracy", 128, True),
+    "jsts": Task("sentence1", "label", "regression", "rmse", 128, False, pair="sentence2"),
 }
+JSTS_FIELDS = ("sentence_pair_id", "sentence1", "sentence2", "label")
+
+
+def jsts_tables(folder: str, work: Path) -> tuple[str, str]:
+    """JSTS's two JSON-lines splits as CSV tables in `work`, read alike by both tools."""
+    paths = (work / "train.csv", work / "valid.csv")
+    for path, split in zip(paths, ("train", "valid"), strict=True):
+        lines = (Path(folder) / f"{split}-v1.3.json").read_text(encoding="utf-8").splitlines()
+        with open(path, "w", newline="", encoding="utf-8") as fh:
+            writer = csv.DictWriter(fh, fieldnames=JSTS_FIELDS)
+            writer.writeheader()
+            writer.writerows({k: json.loads(line)[k] for k in JSTS_FIELDS} for line in lines if line.strip())
+    return str(paths[0]), str(paths[1])
 
 
 def _minilm() -> str:
@@ -118,6 +137,7 @@ def _bertforge(
         "--text-column", task.text, "--target-column", task.target, "--task", task.kind,
         f"--train.epochs={args.epochs}", f"--data.max_length={args.max_length}", f"--train.seed={args.seed}",
     ]  # fmt: skip
+    cmd += ["--text-pair-column", task.pair] if task.pair else []
     if args.recipe == "defaults":
         cmd += ["--data", args.train_data, "--valid-data", args.valid_data]
     else:
@@ -205,7 +225,9 @@ def hf_worker(args: argparse.Namespace) -> None:
 
     class Table(torch.utils.data.Dataset):
         def __init__(self, idx):
-            self.enc = tok([rows[i][task.text] for i in idx], truncation=True, max_length=args.max_length)
+            texts = [rows[i][task.text] for i in idx]
+            pairs = [rows[i][task.pair] for i in idx] if task.pair else None
+            self.enc = tok(texts, pairs, truncation=True, max_length=args.max_length)
             self.labels = [label(rows[i]) for i in idx]
 
         def __len__(self):
@@ -333,10 +355,13 @@ def main() -> None:
         write_task(args.task, Path(args.data))
     elif not args.data:
         p.error(f"--task {args.task} needs --data")
+    if args.task == "jsts" and args.recipe != "defaults":
+        p.error("--task jsts runs with --recipe defaults (its own training and validation splits)")
     if args.recipe == "defaults":
         work = work / "defaults"
         work.mkdir(parents=True, exist_ok=True)
-        args.train_data, args.valid_data = split_table(args.data, work)
+        split = jsts_tables if args.task == "jsts" else split_table
+        args.train_data, args.valid_data = split(args.data, work)
     if args.hf_worker:
         args.seed = args.seeds[0]
         hf_worker(args)
@@ -466,7 +491,8 @@ def _report(args: argparse.Namespace, name: str, rows: list[dict]) -> None:
     if args.bf16:
         where += ", bf16"
     where += ", bertforge's compile cache " + ("empty at each run" if args.cold_cache else "as the runs left it")
-    label = {"commonlit": "CommonLit", "sentences": "Docstring first sentences"}[args.task]
+    labels = {"commonlit": "CommonLit", "sentences": "Docstring first sentences", "jsts": "JSTS sentence pairs"}
+    label = labels[args.task]
     title = (
         f"{label} {'training and validation tables' if args.recipe == 'defaults' else f'fold {args.fold}'}, "
         f"all-MiniLM-L6-v2, max length {args.max_length}, batch "
