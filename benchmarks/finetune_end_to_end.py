@@ -108,10 +108,11 @@ def jsts_tables(folder: str, work: Path) -> tuple[str, str]:
     paths = (work / "train.csv", work / "valid.csv")
     for path, split in zip(paths, ("train", "valid"), strict=True):
         lines = (Path(folder) / f"{split}-v1.3.json").read_text(encoding="utf-8").splitlines()
+        records = [json.loads(line) for line in lines if line.strip()]
         with open(path, "w", newline="", encoding="utf-8") as fh:
             writer = csv.DictWriter(fh, fieldnames=JSTS_FIELDS)
             writer.writeheader()
-            writer.writerows({k: json.loads(line)[k] for k in JSTS_FIELDS} for line in lines if line.strip())
+            writer.writerows({k: r[k] for k in JSTS_FIELDS} for r in records)
     return str(paths[0]), str(paths[1])
 
 
