@@ -86,6 +86,7 @@ def split_table(data: str, work: Path) -> tuple[str, str]:
 
 @dataclasses.dataclass(frozen=True)
 class Task:
+    title: str  # how tables and plots name the task
     text: str
     target: str
     kind: str  # regression or classification
@@ -96,9 +97,9 @@ class Task:
 
 
 TASKS = {
-    "commonlit": Task("excerpt", "target", "regression", "rmse", 256, False),
-    "sentences": Task("text", "module", "classification", "accuracy", 128, True),
-    "jsts": Task("sentence1", "label", "regression", "rmse", 128, False, pair="sentence2"),
+    "commonlit": Task("CommonLit", "excerpt", "target", "regression", "rmse", 256, False),
+    "sentences": Task("Docstring first sentences", "text", "module", "classification", "accuracy", 128, True),
+    "jsts": Task("JSTS sentence pairs", "sentence1", "label", "regression", "rmse", 128, False, pair="sentence2"),
 }
 JSTS_FIELDS = ("sentence_pair_id", "sentence1", "sentence2", "label")
 
@@ -492,8 +493,7 @@ def _report(args: argparse.Namespace, name: str, rows: list[dict]) -> None:
     if args.bf16:
         where += ", bf16"
     where += ", bertforge's compile cache " + ("empty at each run" if args.cold_cache else "as the runs left it")
-    labels = {"commonlit": "CommonLit", "sentences": "Docstring first sentences", "jsts": "JSTS sentence pairs"}
-    label = labels[args.task]
+    label = TASKS[args.task].title
     title = (
         f"{label} {'training and validation tables' if args.recipe == 'defaults' else f'fold {args.fold}'}, "
         f"all-MiniLM-L6-v2, max length {args.max_length}, batch "
