@@ -28,6 +28,7 @@ import concurrent.futures
 import dataclasses
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -86,10 +87,10 @@ STEP_VARIANTS = [
     ("transformers eager bf16 autocast", "torch", {"compiled": False}),
 ]
 # ModernBERT's packed rows also through XLA's attention, the path they took before cuDNN took a mask per query.
-# BERT's step also through the Pallas kernels, which keep the probabilities' dropout inside a fused attention.
+# BERT's step also through `explicit`, the GPU's choice with attention dropout before the Pallas kernels.
 EXTRA_VARIANTS = {
     "pretrain-modernbert": [("bertforge bf16, attention xla", "jax", {"attention": "xla"})],
-    "pretrain-bert": [("bertforge bf16, attention pallas", "jax", {"attention": "pallas"})],
+    "pretrain-bert": [("bertforge bf16, attention explicit", "jax", {"attention": "explicit"})],
 }
 DEADLINES = {"step": 260.0, "e2e": {"first run": 130.0, "warm cache": 50.0, "Trainer": 90.0}, "tests": 150.0}
 
@@ -339,15 +340,23 @@ def step_jobs(args: argparse.Namespace) -> list[dict]:
             continue
         shape = part.smoke if args.smoke else part.full
         for label, impl, kw in STEP_VARIANTS + EXTRA_VARIANTS.get(name, []):
-            if args.smoke and (kw.get("compiled") or kw.get("attention") == "pallas"):
-                # torch.compile's own start-up is a minute on a CPU (the eager rows run the same code); the Pallas
-                # kernels compile for NVIDIA GPUs only.
+            if args.smoke and kw.get("compiled"):
+                # torch.compile's own start-up is a minute on a CPU (the eager rows run the same code).
                 continue
             jobs.append({"part": name, "implementation": label, "impl": impl, "kw": kw,
                          "shape": dataclasses.asdict(shape), "device": args.torch_device})  # fmt: skip
     # The slow starters first (torch.compile), then bertforge's rows, then the rest; each in the parts' order.
     rank = {label: i for i, (label, _, _) in enumerate(STEP_VARIANTS)}
     return sorted(jobs, key=lambda j: rank.get(j["implementation"], len(rank)))
+
+
+def last_error(stderr: str, width: int = 160) -> str:
+    """The line of a failed process's error output that names the error (a traceback's last line), cut to `width`
+    characters and with no table separators, for the table's cell; the whole tail goes into the JSON rows."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    named = [line for line in lines if re.match(r"^[\w.]+(Error|Exception|Interrupt)\b", line)]
+    line = (named or lines or ["no error output"])[-1].replace("|", "/")
+    return line if len(line) <= width else line[: width - 3] + "..."
 
 
 def run_step_job(job: dict, env: dict, deadline: float, results: Results) -> None:
@@ -366,7 +375,7 @@ def run_step_job(job: dict, env: dict, deadline: float, results: Results) -> Non
     if proc.returncode:
         why = "killed (out of memory?)" if proc.returncode == -9 else f"failed (exit {proc.returncode})"
         print(f"{job['part']} {job['implementation']} {why}:\n{proc.stderr[-3000:]}", file=sys.stderr, flush=True)
-        results.add({**row, "failed": why})
+        results.add({**row, "failed": f"{why}: {last_error(proc.stderr)}", "stderr": proc.stderr[-4000:]})
         return
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     rows_tokens = job["shape"]["rows"] * job["shape"]["seq"]

@@ -55,7 +55,30 @@ def test_smoke_fine_tuning_part_runs_both_systems(tmp_path):
 
 def test_a_part_past_its_deadline_is_written_down_and_the_rest_kept(tmp_path):
     rows = run_suite(tmp_path, "--smoke", "--parts", "pretrain-bert", "--step-deadline", "1")["rows"]
-    assert len(rows) == 2 and all(r["failed"].startswith(("stopped at", "not run")) for r in rows), rows
+    assert len(rows) == 3 and all(r["failed"].startswith(("stopped at", "not run")) for r in rows), rows
+
+
+def test_a_failed_run_names_its_error_in_the_table(tmp_path):
+    # A step process that fails (here: an attention bertforge does not have) leaves its error's line in the
+    # table's cell and its error output in the JSON row, so that a run on a device says why without a rerun.
+    suite = _suite()
+    results = suite.Results(tmp_path, "CPU", float("nan"), smoke=True)
+    job = {"part": "pretrain-bert", "implementation": "bertforge bf16, attention none", "impl": "jax",
+           "kw": {"attention": "none"}, "shape": {"rows": 2, "seq": 16, "steps": 1}, "device": "cpu"}  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu", "BENCH_SMOKE": "1"}
+    suite.run_step_job(job, env, suite.time.perf_counter() + 300, results)
+    (row,) = results.rows
+    assert row["failed"].startswith("failed (exit 1): ValueError: attention 'none' is not one of auto, custom"), row
+    assert "Traceback" in row["stderr"]
+    assert f"| {row['failed']} |" in (tmp_path / "accelerator_suite.md").read_text()
+
+
+def test_last_error_takes_the_traceback_line_that_names_the_error():
+    stderr = "Traceback (most recent call last):\n  File 'x.py'\nRuntimeError: CUDA error | bad\nW0101 a warning\n"
+    assert _suite().last_error(stderr) == "RuntimeError: CUDA error / bad"
+    assert _suite().last_error("only a line\n") == "only a line"
+    assert _suite().last_error("") == "no error output"
+    assert _suite().last_error("ValueError: " + "x" * 300, width=20) == "ValueError: xxxxx..."
 
 
 def test_device_tests_part_runs_the_gpu_marked_tests(tmp_path):
@@ -81,6 +104,11 @@ def test_device_tests_read_pytest_summaries():
     assert device_tests.summary(errored)["counts"]["errors"] == 1
     assert device_tests.summary(errored)["failures"] == ["tests/test_arch_modernbert.py"]
     assert device_tests.summary("no tests ran in 0.01s")["counts"] == dict.fromkeys(device_tests.OUTCOMES, 0)
+
+
+def _suite():
+    sys.path.insert(0, str(SUITE.parent))
+    return importlib.import_module("accelerator_suite")
 
 
 def _step_kernels():
@@ -139,7 +167,5 @@ def test_step_kernels_smoke_writes_a_row_for_every_variant(tmp_path):
     rows = json.loads((tmp_path / "step_kernels.json").read_text())["rows"]
     assert [r["variant"] for r in rows] == list(_step_kernels().VARIANTS)
     assert not [r for r in rows if "failed" in r], rows
-    ran = [r for r in rows if "skipped" not in r]
-    assert [r["variant"] for r in rows if r not in ran] == list(_step_kernels().GPU_ONLY)
-    assert all(r["step_s"] > 0 for r in ran)
+    assert all(r["step_s"] > 0 for r in rows)
     assert (tmp_path / "step_kernels.png").stat().st_size > 0

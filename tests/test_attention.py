@@ -374,7 +374,9 @@ def test_cudnn_masked_attention_equals_the_formula_on_packed_rows(window):
         ("auto", "tpu", False, "float32", "xla"),
         ("auto", "cpu", True, "float32", "custom"),
         ("custom", "gpu", True, "bfloat16", "custom"),
-        ("auto", "gpu", True, "bfloat16", "explicit"),
+        ("auto", "gpu", True, "bfloat16", "pallas"),
+        ("auto", "gpu", True, "float16", "pallas"),
+        ("auto", "gpu", True, "float32", "explicit"),  # pallas is not measured in float32
         ("cudnn", "gpu", True, "bfloat16", "explicit"),
         ("xla", "tpu", True, "float32", "explicit"),
         ("custom", "gpu", False, "bfloat16", "custom"),
