@@ -36,13 +36,22 @@ def summary(output: str) -> dict:
     return {"counts": counts, "failures": failures}
 
 
+def tests_env(accelerator: bool) -> dict:
+    """The tests' environment: JAX on the accelerator where there is one, taking device memory as it needs it. By
+    default JAX takes 75% of a GPU's memory when it starts; the suite's step processes start their models beside
+    the tests (the likeliest reason why, in the H200 run of 2026-12-04, every PyTorch step process and bertforge's
+    ModernBERT one failed: those that start their first steps while the tests run)."""
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    if accelerator:
+        env["JAX_PLATFORMS"] = ""  # every platform: the GPU first
+    return env
+
+
 def run(timeout: float, accelerator: bool) -> dict:
     """`pytest -m gpu` over marked_files() in a fresh process, JAX on the accelerator where there is one (the
     suite's conftest otherwise pins it to the CPU): summary()'s, seconds, and the output's tail; or 'failed', why
     the run gave no counts (as the suite's other rows say it)."""
-    env = dict(os.environ)
-    if accelerator:
-        env["JAX_PLATFORMS"] = ""  # every platform: the GPU first
+    env = tests_env(accelerator)
     cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rfE", "-p", "no:cacheprovider",
            *map(str, marked_files())]  # fmt: skip
     start = time.perf_counter()

@@ -91,6 +91,16 @@ def test_device_tests_part_runs_the_gpu_marked_tests(tmp_path):
     assert "| pytest -m gpu | 0 | 0 |" in (tmp_path / "out" / "accelerator_suite.md").read_text()
 
 
+def test_device_tests_take_device_memory_as_they_need_it():
+    # The step processes start beside the tests: a JAX process that takes 75% of the device's memory up front
+    # leaves them too little for their first steps.
+    sys.path.insert(0, str(SUITE.parent))
+    device_tests = importlib.import_module("device_tests")
+    for accelerator in (True, False):
+        assert device_tests.tests_env(accelerator)["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
+    assert device_tests.tests_env(True)["JAX_PLATFORMS"] == ""
+
+
 def test_device_tests_read_pytest_summaries():
     spec = importlib.util.spec_from_file_location("device_tests", SUITE.parent / "device_tests.py")
     device_tests = importlib.util.module_from_spec(spec)
