@@ -6,7 +6,8 @@ Parts, each under its own deadline:
   projection at the masked positions only, rows packed with several documents each);
 - finetune-deberta: a DeBERTa-v3-base fine-tuning step at 32 x 512 (finetune_step_architectures.py's step);
 - finetune-commonlit: fine-tuning end to end, CommonLit fold 0 with all-MiniLM-L6-v2 (finetune_end_to_end.py's
-  settings): bertforge's first run (empty compile cache), the same command again (warm cache), and the Trainer;
+  settings): bertforge's first run (empty compile cache), the same command again (warm cache), the Trainer, and
+  on a GPU a first run with XLA's autotuning off (an empty cache of its own);
 - device-tests: the tests marked gpu (device_tests.py), first on the device while the step parts' processes
   start and compile: what only the accelerator computes, against the formula (a CPU skips them).
 
@@ -80,6 +81,9 @@ PARTS = {
     "device-tests": Part("The tests marked gpu", "", "tests", Shape(0, 0, 0), Shape(0, 0, 0)),
 }  # fmt: skip
 STEP_KINDS = ("pretrain", "finetune")
+# A first run with XLA's GPU autotuning off (each matrix product's kernel taken without timing the candidates): what
+# the tuning costs a first run's compilation, and its kernels a run's steps (on a GPU only).
+NO_AUTOTUNE = "first run, autotuning off"
 # (name, implementation, options) of every step part, in the order they start: torch.compile takes longest.
 STEP_VARIANTS = [
     ("transformers torch.compile bf16 autocast", "torch", {"compiled": True}),
@@ -92,7 +96,8 @@ EXTRA_VARIANTS = {
     "pretrain-modernbert": [("bertforge bf16, attention xla", "jax", {"attention": "xla"})],
     "pretrain-bert": [("bertforge bf16, attention explicit", "jax", {"attention": "explicit"})],
 }
-DEADLINES = {"step": 260.0, "e2e": {"first run": 130.0, "warm cache": 50.0, "Trainer": 90.0}, "tests": 150.0}
+DEADLINES = {"step": 260.0, "e2e": {"first run": 130.0, "warm cache": 50.0, "Trainer": 90.0, NO_AUTOTUNE: 130.0},
+             "tests": 150.0}  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------------ batches
@@ -455,6 +460,10 @@ def run_e2e(args: argparse.Namespace, results: Results) -> None:
         ("bertforge", "warm cache", lambda t: e2e._bertforge(ns, work / "warm", False, cache=cache, timeout=t)),
         ("transformers Trainer", "Trainer", lambda t: e2e._hf(ns, work / "first" / "folds.csv", work / "hf", t)),
     ]
+    if device == "gpu":
+        runs.append(("bertforge", NO_AUTOTUNE, lambda t: e2e._bertforge(
+            ns, work / "untuned", False, cache=work / "untuned-cache", timeout=t, xla_flags="--xla_gpu_autotune_level=0"
+        )))  # fmt: skip
     for system, run, fn in runs:
         row = {"part": "finetune-commonlit", "implementation": system, "run": run, "shape": dataclasses.asdict(shape)}
         try:

@@ -130,9 +130,11 @@ def _bertforge(
     sparse: bool = False,
     cache: Path | None = None,
     timeout: float | None = None,
+    xla_flags: str = "",
 ) -> dict:
     """One `bertforge finetune` process; `cache`: the compile cache folder it uses, as it is (None: the user's, or
-    an empty one of its own with --cold-cache); `timeout`: seconds after which it is stopped."""
+    an empty one of its own with --cold-cache); `timeout`: seconds after which it is stopped; `xla_flags`: added to
+    XLA_FLAGS."""
     task = TASKS[args.task]
     cmd = [
         sys.executable, "-m", "bertforge.cli", "finetune", "--model", args.model, "--out", str(out),
@@ -150,6 +152,8 @@ def _bertforge(
     cmd += ["--train.sparse_embeddings=true"] if sparse else []
     cmd += ["--train.dtype=bfloat16"] if args.bf16 else []
     env = dict(os.environ)
+    if xla_flags:
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {xla_flags}".strip()
     if cache is not None:
         env["BERTFORGE_COMPILE_CACHE"] = str(cache)
     elif args.cold_cache:  # a first run: an empty compile cache of its own, so every program is compiled

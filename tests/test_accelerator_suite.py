@@ -73,6 +73,28 @@ def test_a_failed_run_names_its_error_in_the_table(tmp_path):
     assert f"| {row['failed']} |" in (tmp_path / "accelerator_suite.md").read_text()
 
 
+@pytest.mark.parametrize("torch_device", ["cuda", "cpu"])
+def test_on_a_gpu_the_fine_tuning_part_adds_a_first_run_without_autotuning(tmp_path, monkeypatch, torch_device):
+    suite = _suite()
+    calls = []
+
+    def bertforge(ns, out, padded, cache=None, timeout=None, xla_flags=""):
+        calls.append((out.name, cache.name, xla_flags))
+        return {"score": 0.5, "wall_s": 1.0, "fit_s": 1.0}
+
+    monkeypatch.setattr(suite.e2e, "_bertforge", bertforge)
+    monkeypatch.setattr(suite.e2e, "_hf", lambda *a: {"score": 0.5, "wall_s": 2.0, "fit_s": 1.0})
+    args = suite.argparse.Namespace(parts=["finetune-commonlit"], work=str(tmp_path / "work"), smoke=False, epochs=1,
+                                    torch_device=torch_device, model="m", data="d")  # fmt: skip
+    results = suite.Results(tmp_path, "GPU", float("nan"), smoke=False)
+    suite.run_e2e(args, results)
+    first = [("first", "compile-cache", ""), ("warm", "compile-cache", "")]
+    untuned = [("untuned", "untuned-cache", "--xla_gpu_autotune_level=0")] if torch_device == "cuda" else []
+    assert calls == first + untuned
+    runs = [r["run"] for r in results.rows]
+    assert runs == ["first run", "warm cache"] + ([suite.NO_AUTOTUNE] if untuned else []) + ["Trainer"]
+
+
 def test_last_error_takes_the_traceback_line_that_names_the_error():
     stderr = "Traceback (most recent call last):\n  File 'x.py'\nRuntimeError: CUDA error | bad\nW0101 a warning\n"
     assert _suite().last_error(stderr) == "RuntimeError: CUDA error / bad"
