@@ -4,11 +4,12 @@ An spm.model is a serialised protobuf message (sentencepiece_model.proto). It is
 protobuf wire format, only the fields bertforge needs, so no sentencepiece or protobuf runtime is needed and
 nothing in the file is ever executed.
 
-The tokenizer built is the one transformers' DebertaV2Tokenizer (transformers 5) builds from the same folder, so
-that the ids match it: its whitespace-folding + NFC normaliser (not the model's own precompiled NFKC charsmap,
-which transformers 5 ignores too: compatibility characters such as 'ﬁ' or fullwidth digits come out as [UNK]
-where the sentencepiece library would map them to 'fi' or ASCII digits), a Metaspace pre-tokenizer, the model's
-control pieces as special tokens, and [CLS] A [SEP] (B [SEP]) with token type 1 on B.
+The tokenizer built is the one transformers' DebertaV2Tokenizer (transformers 5.25 and later) builds from the same
+folder, so that the ids match it and the sentencepiece library's: the model's own precompiled normaliser (its
+NFKC charsmap: 'ﬁ' becomes 'fi', fullwidth digits ASCII ones) and runs of spaces folded into one (a model without
+a charsmap: whitespace folding and NFC), a Metaspace pre-tokenizer, the model's control pieces as special tokens
+(its user-defined pieces are Unigram pieces that the model emits whole, as sentencepiece does), and
+[CLS] A [SEP] (B [SEP]) with token type 1 on B.
 """
 
 from __future__ import annotations
@@ -216,6 +217,26 @@ def _add(tok: Tokenizer, token: AddedToken) -> None:
         tok.add_tokens([token])
 
 
+def _normalizer(model: SpmModel, lower: bool) -> normalizers.Normalizer:
+    """The model's charsmap, then trailing space dropped and runs of spaces folded (the Metaspace pre-tokenizer
+    folds a leading one into the word's prefix); without a charsmap, runs of whitespace and any tab or newline
+    become one space, then NFC."""
+    steps = [normalizers.Lowercase()] if lower else []
+    if model.precompiled_charsmap:
+        steps += [
+            normalizers.Precompiled(model.precompiled_charsmap),
+            normalizers.Strip(left=False, right=True),
+            normalizers.Replace(Regex(r" {2,}"), " "),
+        ]
+    else:
+        steps += [
+            normalizers.Replace(Regex(r"\s{2,}|[\n\r\t]"), " "),
+            normalizers.NFC(),
+            normalizers.Strip(left=False, right=True),
+        ]
+    return normalizers.Sequence(steps)
+
+
 def deberta_tokenizer(path: str | Path, config: dict[str, Any]) -> Tokenizer:
     """The DeBERTa-v2/v3 tokenizer of an spm.model; `config` is tokenizer_config.json over special_tokens_map.json.
 
@@ -229,25 +250,18 @@ def deberta_tokenizer(path: str | Path, config: dict[str, Any]) -> Tokenizer:
     unk_id = next((i for i, v in enumerate(vocab) if v == (names["unk"], 0.0)), model.unk_id)
     tok = Tokenizer(models.Unigram(vocab, unk_id=unk_id, byte_fallback=False))
 
-    steps = [normalizers.Lowercase()] if config.get("do_lower_case", False) else []
-    # Runs of whitespace and any tab or newline become one space; only trailing space is dropped, since the
-    # Metaspace pre-tokenizer folds a leading one into the word's prefix.
-    steps += [
-        normalizers.Replace(Regex(r"\s{2,}|[\n\r\t]"), " "),
-        normalizers.NFC(),
-        normalizers.Strip(left=False, right=True),
-    ]
-    tok.normalizer = normalizers.Sequence(steps)
+    tok.normalizer = _normalizer(model, config.get("do_lower_case", False))
     scheme = "always" if config.get("add_prefix_space", True) else "first"
     split = [pre_tokenizers.Punctuation(behavior="isolated")] if config.get("split_by_punct", False) else []
     tok.pre_tokenizer = pre_tokenizers.Sequence([*split, pre_tokenizers.Metaspace(METASPACE, prepend_scheme=scheme)])
     tok.decoder = decoders.Metaspace(METASPACE, prepend_scheme=scheme)
 
-    # Control pieces are special tokens, user-defined ones are matched whole but not special; both are already
-    # pieces, so their ids do not move. Then pinned tokens, then named ones the vocabulary lacks, appended.
+    # Control pieces are special tokens; they are already pieces, so their ids do not move. Then pinned tokens,
+    # then named ones the vocabulary lacks, appended. User-defined pieces stay the model's: as added tokens they
+    # would split the text around them and drop the space before them, which sentencepiece keeps as a '▁'.
     for p in model.pieces:
-        if p.type in (CONTROL, USER_DEFINED):
-            _add(tok, AddedToken(p.piece, normalized=False, special=p.type == CONTROL))
+        if p.type == CONTROL:
+            _add(tok, AddedToken(p.piece, normalized=False, special=True))
     for want, token in _declared_added_tokens(config, path.parent, set(names.values())):
         _add(tok, token)
         if tok.token_to_id(token.content) != want:
