@@ -379,8 +379,9 @@ def run_step_job(job: dict, env: dict, deadline: float, results: Results) -> Non
         return
     if proc.returncode:
         why = "killed (out of memory?)" if proc.returncode == -9 else f"failed (exit {proc.returncode})"
-        print(f"{job['part']} {job['implementation']} {why}:\n{proc.stderr[-3000:]}", file=sys.stderr, flush=True)
-        results.add({**row, "failed": f"{why}: {last_error(proc.stderr)}", "stderr": proc.stderr[-4000:]})
+        tail = proc.stderr[-4000:]
+        print(f"{job['part']} {job['implementation']} {why}:\n{tail}", file=sys.stderr, flush=True)
+        results.add({**row, "failed": f"{why}: {last_error(proc.stderr)}", "stderr": tail})
         return
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     rows_tokens = job["shape"]["rows"] * job["shape"]["seq"]

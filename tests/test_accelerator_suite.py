@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import os
 import subprocess
@@ -61,7 +61,7 @@ def test_a_part_past_its_deadline_is_written_down_and_the_rest_kept(tmp_path):
 def test_a_failed_run_names_its_error_in_the_table(tmp_path):
     # A step process that fails (here: an attention bertforge does not have) leaves its error's line in the
     # table's cell and its error output in the JSON row, so that a run on a device says why without a rerun.
-    suite = _suite()
+    suite = _benchmark("accelerator_suite")
     results = suite.Results(tmp_path, "CPU", float("nan"), smoke=True)
     job = {"part": "pretrain-bert", "implementation": "bertforge bf16, attention none", "impl": "jax",
            "kw": {"attention": "none"}, "shape": {"rows": 2, "seq": 16, "steps": 1}, "device": "cpu"}  # fmt: skip
@@ -75,7 +75,7 @@ def test_a_failed_run_names_its_error_in_the_table(tmp_path):
 
 @pytest.mark.parametrize("torch_device", ["cuda", "cpu"])
 def test_on_a_gpu_the_fine_tuning_part_adds_a_first_run_without_autotuning(tmp_path, monkeypatch, torch_device):
-    suite = _suite()
+    suite = _benchmark("accelerator_suite")
     calls = []
 
     def bertforge(ns, out, padded, cache=None, timeout=None, xla_flags=""):
@@ -97,10 +97,10 @@ def test_on_a_gpu_the_fine_tuning_part_adds_a_first_run_without_autotuning(tmp_p
 
 def test_last_error_takes_the_traceback_line_that_names_the_error():
     stderr = "Traceback (most recent call last):\n  File 'x.py'\nRuntimeError: CUDA error | bad\nW0101 a warning\n"
-    assert _suite().last_error(stderr) == "RuntimeError: CUDA error / bad"
-    assert _suite().last_error("only a line\n") == "only a line"
-    assert _suite().last_error("") == "no error output"
-    assert _suite().last_error("ValueError: " + "x" * 300, width=20) == "ValueError: xxxxx..."
+    assert _benchmark("accelerator_suite").last_error(stderr) == "RuntimeError: CUDA error / bad"
+    assert _benchmark("accelerator_suite").last_error("only a line\n") == "only a line"
+    assert _benchmark("accelerator_suite").last_error("") == "no error output"
+    assert _benchmark("accelerator_suite").last_error("ValueError: " + "x" * 300, width=20) == "ValueError: xxxxx..."
 
 
 def test_device_tests_part_runs_the_gpu_marked_tests(tmp_path):
@@ -116,17 +116,14 @@ def test_device_tests_part_runs_the_gpu_marked_tests(tmp_path):
 def test_device_tests_take_device_memory_as_they_need_it():
     # The step processes start beside the tests: a JAX process that takes 75% of the device's memory up front
     # leaves them too little for their first steps.
-    sys.path.insert(0, str(SUITE.parent))
-    device_tests = importlib.import_module("device_tests")
+    device_tests = _benchmark("device_tests")
     for accelerator in (True, False):
         assert device_tests.tests_env(accelerator)["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
     assert device_tests.tests_env(True)["JAX_PLATFORMS"] == ""
 
 
 def test_device_tests_read_pytest_summaries():
-    spec = importlib.util.spec_from_file_location("device_tests", SUITE.parent / "device_tests.py")
-    device_tests = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(device_tests)
+    device_tests = _benchmark("device_tests")
     failed = "FAILED tests/test_attention.py::test_x[8] - AssertionError: NaN\n1 failed, 3 passed, 2 skipped in 12.31s"
     assert device_tests.summary(failed) == {
         "counts": {"passed": 3, "failed": 1, "skipped": 2, "errors": 0},
@@ -138,21 +135,15 @@ def test_device_tests_read_pytest_summaries():
     assert device_tests.summary("no tests ran in 0.01s")["counts"] == dict.fromkeys(device_tests.OUTCOMES, 0)
 
 
-def _suite():
-    sys.path.insert(0, str(SUITE.parent))
-    return importlib.import_module("accelerator_suite")
-
-
-def _step_kernels():
-    sys.path.insert(0, str(SUITE.parent))
-    spec = importlib.util.spec_from_file_location("step_kernels", SUITE.parent / "step_kernels.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def _benchmark(name: str):
+    """A benchmarks/ script as a module (they import each other by name, so their folder goes on the path)."""
+    if str(SUITE.parent) not in sys.path:
+        sys.path.insert(0, str(SUITE.parent))
+    return importlib.import_module(name)
 
 
 def test_step_kernels_sums_a_jax_traces_stream_kernels_once():
-    sk = _step_kernels()
+    sk = _benchmark("step_kernels")
     meta = [
         {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/host:CPU"}},
         {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/device:GPU:0"}},
@@ -181,7 +172,7 @@ def test_step_kernels_sums_a_jax_traces_stream_kernels_once():
 
 
 def test_step_kernels_reads_torch_kernels_by_category():
-    sk = _step_kernels()
+    sk = _benchmark("step_kernels")
     events = [
         {"ph": "X", "pid": 0, "tid": 1, "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 30},
         {"ph": "X", "pid": 0, "tid": 7, "cat": "kernel", "name": "cutlass_gemm", "ts": 5, "dur": 20},
@@ -197,7 +188,7 @@ def test_step_kernels_smoke_writes_a_row_for_every_variant(tmp_path):
     script = SUITE.parent / "step_kernels.py"
     subprocess.run([sys.executable, str(script), "--smoke", "--out", str(tmp_path)], check=True, env=env, timeout=600)
     rows = json.loads((tmp_path / "step_kernels.json").read_text())["rows"]
-    assert [r["variant"] for r in rows] == list(_step_kernels().VARIANTS)
+    assert [r["variant"] for r in rows] == list(_benchmark("step_kernels").VARIANTS)
     assert not [r for r in rows if "failed" in r], rows
     assert all(r["step_s"] > 0 for r in rows)
     assert (tmp_path / "step_kernels.png").stat().st_size > 0

@@ -378,6 +378,7 @@ def test_cudnn_masked_attention_equals_the_formula_on_packed_rows(window):
         ("auto", "gpu", True, "float16", "pallas"),
         ("auto", "gpu", True, "float32", "explicit"),  # pallas is not measured in float32
         ("cudnn", "gpu", True, "bfloat16", "explicit"),
+        ("xla", "gpu", True, "bfloat16", "explicit"),
         ("xla", "tpu", True, "float32", "explicit"),
         ("custom", "gpu", False, "bfloat16", "custom"),
         ("xla", "cpu", False, "float32", "xla"),

@@ -103,7 +103,6 @@ def test_on_8_devices_each_device_draws_its_part_of_the_whole_batchs_dropout():
 def test_the_rule_keeps_pallas_with_dropout_on_a_gpu_only():
     assert attn.choose_attention("pallas", "gpu", True, "bfloat16") == "pallas"
     assert attn.choose_attention("pallas", "gpu", False, "float32") == "pallas"
-    assert attn.choose_attention("xla", "gpu", True, "bfloat16") == "explicit"  # xla has no dropout
     with pytest.raises(ValueError, match="attention 'pallas' needs an NVIDIA GPU; this program runs on cpu"):
         attn.choose_attention("pallas", "cpu", True, "float32")
 

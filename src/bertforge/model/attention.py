@@ -326,12 +326,12 @@ def choose_attention(
     attention dropout active or not, in compute `dtype`, with heads of `head_dim` (None: any cuDNN takes).
 
     Only `custom`, `explicit` and `pallas` have attention dropout: with it, `custom` and `pallas` are kept when
-    asked for, `auto` takes `custom` on a CPU and `pallas` on a GPU in a half dtype (BERT-base's bf16 step 7%
-    faster than `explicit` on an H200, docs/gpu.md), and anything else becomes `explicit`, at the cost of a fused
-    kernel. `cudnn` and `pallas` need an NVIDIA GPU, `splash` a TPU. Without dropout a named implementation is
-    kept, and `auto` takes `custom` on a CPU (its hand-written backward is the fastest there), `cudnn` on a GPU
-    (`xla` where cuDNN does not run: float32, or a head size every GPU generation does not take) and `xla` on a
-    TPU (`splash` is not yet measured on one).
+    asked for, `auto` takes `custom` on a CPU and `pallas` on a GPU in a half dtype (faster than `explicit` there,
+    docs/gpu.md; float32 is not measured), and anything else becomes `explicit`, at the cost of a fused kernel.
+    `cudnn` and `pallas` need an NVIDIA GPU, `splash` a TPU. Without dropout a named implementation is kept, and
+    `auto` takes `custom` on a CPU (its hand-written backward is the fastest there), `cudnn` on a GPU (`xla` where
+    cuDNN does not run: float32, or a head size every GPU generation does not take) and `xla` on a TPU (`splash`
+    is not yet measured on one).
     """
     if requested not in ATTENTIONS:
         raise ValueError(f"attention {requested!r} is not one of {', '.join(ATTENTIONS)}")
@@ -342,7 +342,9 @@ def choose_attention(
             return requested
         if requested == "auto" and platform == "cpu":
             return "custom"
-        return "pallas" if requested == "auto" and platform == "gpu" and dtype in HALF_DTYPES else "explicit"
+        if requested == "auto" and platform == "gpu" and dtype in HALF_DTYPES:
+            return "pallas"
+        return "explicit"
     if requested != "auto":
         return requested
     if platform == "gpu":
