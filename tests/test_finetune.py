@@ -19,8 +19,9 @@ import pytest
 from flax import nnx
 
 from bertforge.cli import main as cli
-from bertforge.data.batching import bucket_length, epoch_batches, ladder, padded_length
+from bertforge.data.batching import balanced_batches, bucket_length, epoch_batches, ladder, padded_length
 from bertforge.data.folds import assign_folds, bin_targets, sturges_bins
+from bertforge.data.text_packing import first_fit
 from bertforge.model.architectures import build
 from bertforge.model.config import preset
 from bertforge.model.hf import load_pretrained, save_pretrained
@@ -233,6 +234,29 @@ def test_a_pool_of_one_batch_gives_the_random_batches_longest_first():
     assert {frozenset(b.tolist()) for b in pooled} == {frozenset(b.tolist()) for b in random}
     assert lengths[pooled[0]].max() == lengths.max()  # still the longest first
     assert np.mean([np.ptp(lengths[b]) for b in pooled]) > 150  # not grouped by length
+
+
+def test_balanced_batches_are_random_draws_of_about_equal_tokens():
+    """Packed steps' batches: every row once, full batches but the last, a pure function of (seed, epoch), new
+    neighbours every epoch, and within each pool no full batch more than one text's tokens from another, where
+    random batches of the same rows spread over three times that and more; so they pack into fewer rows."""
+    rng = np.random.default_rng(3)
+    for lengths in (rng.integers(3, 129, 1003), rng.geometric(0.03, 1003).clip(1, 128)):
+        batches = balanced_batches(lengths, 16, seed=5, epoch=0, pool=8)
+        assert sorted(np.concatenate(batches).tolist()) == list(range(1003))
+        assert [len(b) for b in batches] == [16] * 62 + [11]
+        again = balanced_batches(lengths, 16, 5, 0, pool=8)
+        assert all(np.array_equal(a, b) for a, b in zip(batches, again, strict=True))
+        for i in range(0, 62, 8):
+            totals = [lengths[b].sum() for b in batches[i : i + 8] if len(b) == 16]
+            assert np.ptp(totals) <= lengths.max()
+        random = epoch_batches(lengths, 16, 0, seed=5, epoch=0)
+        assert np.ptp([lengths[b].sum() for b in random[:-1]]) > 3 * lengths.max()
+        needs = [max(len(first_fit(lengths[b].tolist(), 128)) for b in x[:-1]) for x in (batches, random)]
+        assert needs[0] < needs[1], needs
+        epochs = (balanced_batches(lengths, 16, 5, e, 8) for e in (0, 1))
+        pairs = [{(a, c) for b in epoch for a in b for c in b if a < c} for epoch in epochs]
+        assert len(pairs[0] & pairs[1]) < 0.1 * len(pairs[0])
 
 
 # ------------------------------------------------------------------------------------------------------ the step

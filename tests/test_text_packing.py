@@ -24,7 +24,7 @@ from test_multiple_choice import write_csv as write_choices
 from test_question_answering import _squad
 from test_token_classification import tagged_sentences, write_jsonl
 
-from bertforge.data.batching import EncodedChoices, epoch_batches, pad_batch
+from bertforge.data.batching import EncodedChoices, balanced_batches, pad_batch
 from bertforge.data.text_packing import PACKED_INPUTS, PackShape, eval_batches, first_fit, micro_batches, pack
 from bertforge.finetuning.pairs import distinct_texts
 from bertforge.model import attention as attn
@@ -317,12 +317,12 @@ def test_a_packed_token_step_averages_over_the_step_s_labelled_tokens(rows):
 
 def test_a_whole_plan_holds_the_fullest_step_and_evaluation_dedups_texts():
     lengths = np.random.default_rng(8).integers(3, 60, (50, 2))
-    settings = dict(batch_size=8, grad_accum=1, epochs=2, seed=0, eval_batch_size=16, bucket=8)
+    settings = dict(batch_size=8, grad_accum=1, epochs=2, seed=0, eval_batch_size=16, bucket=8, pool=16)
     folds = [np.arange(50), np.arange(0, 50, 2)]
     shape = packed_batches.whole_plan(lengths, lengths[:0], folds, 64, settings, shards=2)
     assert shape.length == 64 and shape.texts == 16 and shape.rows % 2 == 0
     needs = [len(first_fit(lengths[fold][b].ravel().tolist(), 64)) for fold in folds
-             for epoch in range(2) for b in epoch_batches(lengths[fold], 8, 0, 0, epoch)]  # fmt: skip
+             for epoch in range(2) for b in balanced_batches(lengths[fold].sum(axis=1), 8, 0, epoch)]  # fmt: skip
     assert max(needs) <= shape.rows < max(needs) + 2
     a, b = texts([4, 6, 5]), texts([7], seed=1)
     rows = [EncodedChoices((a[0], a[1])), EncodedChoices((a[2], a[1])), EncodedChoices((b[0], a[0]))]
@@ -377,7 +377,7 @@ def test_a_packed_step_makes_the_update_of_the_padded_step(rows):
 
 def test_auto_packs_where_packed_steps_compute_less_than_the_ladder():
     model = preset("test", pooling="cls")  # 2 layers, the last of which padded batches compute for [CLS] only
-    settings = dict(batch_size=16, grad_accum=1, epochs=1, seed=0, eval_batch_size=16, bucket=8)
+    settings = dict(batch_size=16, grad_accum=1, epochs=1, seed=0, eval_batch_size=16, bucket=8, pool=16)
     short = np.random.default_rng(5).integers(2, 17, 64)
     # A ladder of one rung pads every text to 64 tokens; packed rows of 16 hold several texts each. Texts of 36
     # tokens and one of 64: rows of 64 hold one text each, where the ladder pads all but one batch to 40.
@@ -392,7 +392,7 @@ def test_auto_packs_where_packed_steps_compute_less_than_the_ladder():
 
 def test_auto_packs_pairs_of_a_short_query_and_a_long_passage():
     model = preset("test", pooling="mean")
-    settings = dict(batch_size=8, grad_accum=1, epochs=1, seed=0, eval_batch_size=8, bucket=8)
+    settings = dict(batch_size=8, grad_accum=1, epochs=1, seed=0, eval_batch_size=8, bucket=8, pool=16)
     queries = np.random.default_rng(9).integers(4, 13, 64)
     # Queries of 4-12 tokens fill the room that passages of 56 leave in rows of 64, where padding gives each query
     # the passage's length. Texts of 36 tokens and one of 64: rows of 64 hold one text each, where the ladder pads

@@ -10,6 +10,7 @@ final batch is filled with rows of weight 0.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 from collections.abc import Sequence
 
 import numpy as np
@@ -87,6 +88,13 @@ def tokens_of(row: Row) -> int:
     return len(row.ids)
 
 
+def packed_tokens(row: Row) -> int:
+    """The tokens a row's texts take in packed rows: its text's, or all its choices' (or texts')."""
+    if isinstance(row, EncodedChoices):
+        return sum(len(e.ids) for e in row.options)
+    return len(row.ids)
+
+
 def choices_of(rows: Sequence[Row]) -> int:
     """The number of choices of multiple-choice rows (each has the same); 0 for texts."""
     return len(rows[0].options) if rows and isinstance(rows[0], EncodedChoices) else 0
@@ -145,3 +153,33 @@ def epoch_batches(
     longest = max(range(len(batches)), key=lambda b: (lengths[batches[b]].max(), -b))
     rest = [batches[b] for b in rng.permutation(len(batches)) if b != longest]
     return [batches[longest], *rest]
+
+
+def balanced_batches(sizes: np.ndarray, batch_size: int, seed: int, epoch: int, pool: int = POOL) -> list[np.ndarray]:
+    """Training batches for one epoch whose rows hold about the same tokens, a pure function of (seed, epoch), for
+    packed steps (text_packing), whose one shape must hold the fullest step's texts.
+
+    The rows are shuffled as for epoch_batches and cut into pools of `pool` batches; in each pool the rows, the
+    most tokens first, each join the batch with the fewest tokens that has room (greedy balancing), and the pool's
+    batches are shuffled. A batch is still a random draw of its pool's rows, the long and the short mixed, but no
+    batch is much fuller than the pool's mean. Every batch has batch_size rows but the epoch's last, as in
+    epoch_batches. `sizes`: each row's tokens (all its texts')."""
+    sizes = np.asarray(sizes)
+    n = len(sizes)
+    rng = np.random.default_rng([seed, epoch])
+    order = rng.permutation(n)
+    batches: list[np.ndarray] = []
+    for i in range(0, n, batch_size * pool):
+        chunk = order[i : i + batch_size * pool]
+        count = -(-len(chunk) // batch_size)
+        room = [batch_size] * (count - 1) + [len(chunk) - batch_size * (count - 1)]
+        members: list[list[int]] = [[] for _ in range(count)]
+        open_ = [(0, b) for b in range(count)]  # (tokens so far, batch): a heap of the batches with room
+        for row in chunk[np.argsort(-sizes[chunk], kind="stable")]:
+            tokens, b = heapq.heappop(open_)
+            members[b].append(int(row))
+            if len(members[b]) < room[b]:
+                heapq.heappush(open_, (tokens + int(sizes[row]), b))
+        full = [np.array(members[b]) for b in rng.permutation(count - 1)]
+        batches += [*full, np.array(members[-1])]  # the epoch's short batch, if any, stays last
+    return batches

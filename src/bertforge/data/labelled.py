@@ -35,7 +35,8 @@ class TableConfig:
     bucket: int = 8  # padded lengths are multiples of this; 0 pads every batch to max_length
     shapes: int = 6  # at most this many padded lengths, chosen from the training texts; 0: every multiple of bucket
     # Training batches per pool of shuffled rows sorted by length (batching.epoch_batches): a batch holds texts of
-    # similar length. 1: plain random batches, each still padded to the shortest length that holds it.
+    # similar length. 1: plain random batches, each still padded to the shortest length that holds it. Packed, the
+    # pool's batches are balanced to about equal tokens instead (batching.balanced_batches).
     pool: int = POOL
     # On every family but DeBERTa: several texts packed into each row, attending within each (packed_batches.py):
     # one compiled shape for training and one for evaluation. None (auto): where it is exact, and on a CPU only where

@@ -318,7 +318,8 @@ def _pack_shape(cfg: FinetuneConfig, pre: Pretrained, table: Table, valid: Table
     lengths, valid_lengths = (_text_lengths(x, whole) for x in (table, valid))
     per_row = lengths.shape[1] if whole else 1
     settings = {"batch_size": t.batch_size, "grad_accum": t.grad_accum, "epochs": t.epochs, "seed": t.seed,
-                "eval_batch_size": t.eval_batch_size * per_row, "bucket": cfg.data.bucket}  # fmt: skip
+                "eval_batch_size": t.eval_batch_size * per_row, "bucket": cfg.data.bucket,
+                "pool": cfg.data.pool}  # fmt: skip
     shape = (packed_batches.whole_plan if whole else packed_batches.plan)(
         lengths, valid_lengths, fold_rows, limit, settings, shards
     )

@@ -19,7 +19,16 @@ from flax import nnx
 
 from bertforge import hub, runs
 from bertforge.card import card_files
-from bertforge.data.batching import Row, by_length, epoch_batches, pad_batch, padded_length, tokens_of
+from bertforge.data.batching import (
+    Row,
+    balanced_batches,
+    by_length,
+    epoch_batches,
+    packed_tokens,
+    pad_batch,
+    padded_length,
+    tokens_of,
+)
 from bertforge.data.labelled import Table
 from bertforge.data.long_text import record_of, records_of
 from bertforge.data.text_packing import PackShape
@@ -168,6 +177,7 @@ class Fold:
     train_rows: np.ndarray
     valid_rows: np.ndarray
     lengths: np.ndarray  # the training rows' token counts
+    sizes: np.ndarray  # the tokens of the training rows' texts packed (batching.packed_tokens)
     eval_encs: list[Row]  # what evaluation computes: the validation rows, or their distinct texts (eval_index)
     eval_index: np.ndarray | None  # (R, N): where each validation row's texts are among eval_encs, or None
     valid_records: np.ndarray  # (D,) the records of the validation rows: the rows, or the texts of their windows
@@ -215,6 +225,7 @@ def _plan(job: Job, fold: int, fold_dir: Path, train_rows: np.ndarray, valid_row
         train_rows=train_rows,
         valid_rows=valid_rows,
         lengths=np.array([tokens_of(job.encs[i]) for i in train_rows]),
+        sizes=np.array([packed_tokens(job.encs[i]) for i in train_rows]),
         eval_encs=eval_encs,
         eval_index=eval_index,
         valid_records=records,
@@ -301,18 +312,20 @@ def _describe(job: Job, fold: Fold, start_step: int) -> str:
 
 
 def _training_batches(job: Job, fold: Fold, first_step: int) -> Iterator[dict[str, jax.Array]]:
-    """The fold's training batches from step `first_step` on, epoch after epoch, each padded to its length."""
+    """The fold's training batches from step `first_step` on, epoch after epoch, each padded to its length, or
+    packed: then batches of about equal tokens (nothing to save by sorting by length; the one shape holds the
+    fullest step)."""
     size, seed = job.train.batch_size, job.train.seed
-    bucket = 0 if job.pack else job.bucket  # packed steps are random batches: nothing to save by sorting
     epoch, skip = divmod(first_step, fold.per_epoch)
     while True:
-        for local in epoch_batches(fold.lengths, size, bucket, seed, epoch, job.pool)[skip:]:
-            if job.pack is not None:
+        if job.pack is not None:
+            for local in balanced_batches(fold.sizes, size, seed, epoch, job.pool)[skip:]:
                 yield job_step_batch(job, fold.train_rows[local])
-                continue
-            length = padded_length(int(fold.lengths[local].max()), job.limit, job.bucket, job.rungs)
-            batch = _batch(job, fold.train_rows[local], length)
-            yield {k: global_array(v, job.mesh) for k, v in batch.items()}
+        else:
+            for local in epoch_batches(fold.lengths, size, job.bucket, seed, epoch, job.pool)[skip:]:
+                length = padded_length(int(fold.lengths[local].max()), job.limit, job.bucket, job.rungs)
+                batch = _batch(job, fold.train_rows[local], length)
+                yield {k: global_array(v, job.mesh) for k, v in batch.items()}
         epoch, skip = epoch + 1, 0
 
 

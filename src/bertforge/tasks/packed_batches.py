@@ -10,7 +10,9 @@ as they need (train/packed_step.py), so every step of every fold runs the same p
 (WHOLE: an embedding model, whose loss is over the whole batch, and a question's choices, whose scores are
 compared), a step's texts go into one batch of as many rows as the fullest step needs (whole_plan); an embedding
 model's cached loss (train.grad_accum A > 1) packs each of its A mini-batches of rows on its own. Training batches
-are then random: with no padding to save, pools sorted by length buy nothing.
+are random draws that hold about equal tokens (batching.balanced_batches): with no padding to save, pools sorted by
+length buy nothing, and the one shape, sized for the fullest step, wastes least when no step is much fuller than
+the mean.
 """
 
 from __future__ import annotations
@@ -22,7 +24,16 @@ from typing import Any
 
 import numpy as np
 
-from bertforge.data.batching import BUCKET, EncodedChoices, Row, bucket_length, epoch_batches, padded_length, tokens_of
+from bertforge.data.batching import (
+    BUCKET,
+    EncodedChoices,
+    Row,
+    balanced_batches,
+    bucket_length,
+    epoch_batches,
+    padded_length,
+    tokens_of,
+)
 from bertforge.data.text_packing import PackShape, eval_batches, fill, first_fit, micro_batches, pack, round_up
 from bertforge.model.architectures import SEGMENT_FAMILIES
 from bertforge.model.config import ModelConfig
@@ -76,7 +87,7 @@ def plan(
     micro-batch counted a row more, for its call and its addition), never more tokens than a padded micro-batch of
     batch_size / grad_accum texts; and for evaluation about eval_batch_size texts of the mean length a batch.
     `fold_rows`: each fold's training rows; `lengths`: every training row's tokens. `settings`: batch_size,
-    grad_accum, epochs, eval_batch_size, seed, bucket."""
+    grad_accum, epochs, eval_batch_size, seed, bucket, pool (batching.balanced_batches)."""
     s = settings
     length = _row_length(lengths, valid_lengths, limit, s["bucket"])
     needs = _needs(lengths, fold_rows, length, s)
@@ -123,7 +134,7 @@ def _needs(lengths: np.ndarray, fold_rows: Sequence[np.ndarray], length: int, s:
         len(first_fit(fold[b[k::parts]].ravel().tolist(), length))
         for fold in (lengths[rows] for rows in fold_rows)
         for epoch in range(math.ceil(s["epochs"]))
-        for b in epoch_batches(fold, s["batch_size"], 0, s["seed"], epoch)
+        for b in balanced_batches(fold.reshape(len(fold), -1).sum(1), s["batch_size"], s["seed"], epoch, s["pool"])
         for k in range(parts)
     ])  # fmt: skip
 
