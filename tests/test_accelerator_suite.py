@@ -97,10 +97,11 @@ def test_on_a_gpu_the_fine_tuning_part_adds_a_first_run_without_autotuning(tmp_p
 
 def test_last_error_takes_the_traceback_line_that_names_the_error():
     stderr = "Traceback (most recent call last):\n  File 'x.py'\nRuntimeError: CUDA error | bad\nW0101 a warning\n"
-    assert _benchmark("accelerator_suite").last_error(stderr) == "RuntimeError: CUDA error / bad"
-    assert _benchmark("accelerator_suite").last_error("only a line\n") == "only a line"
-    assert _benchmark("accelerator_suite").last_error("") == "no error output"
-    assert _benchmark("accelerator_suite").last_error("ValueError: " + "x" * 300, width=20) == "ValueError: xxxxx..."
+    last_error = _benchmark("accelerator_suite").last_error
+    assert last_error(stderr) == "RuntimeError: CUDA error / bad"
+    assert last_error("only a line\n") == "only a line"
+    assert last_error("") == "no error output"
+    assert last_error("ValueError: " + "x" * 300, width=20) == "ValueError: xxxxx..."
 
 
 def test_device_tests_part_runs_the_gpu_marked_tests(tmp_path):
