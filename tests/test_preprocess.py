@@ -72,6 +72,16 @@ def test_concat_loses_no_token(tmp_path, wordpiece_dir):
     assert all(np.sum(r != tok.pad_id) == 32 for r in rows[:-1])  # only the last row is padded
 
 
+def test_special_tokens_written_in_the_corpus_stay_text(tmp_path, wordpiece_dir):
+    """A corpus that quotes "[PAD]" or "[MASK]" must not put pad or mask ids inside a row (they would be padding)."""
+    tok = Tokenizer.load(wordpiece_dir)
+    run(tmp_path, wordpiece_dir, ["the [PAD] word and [MASK] or [SEP]."], seq_len=32, valid_fraction=0.0)
+    rows, _ = rows_of(tmp_path / "out")
+    spaced = tok.tokenize_ids(["the [ pad ] word and [ mask ] or [ sep ] ."])[0]  # BERT splits brackets off words
+    assert [content(row, tok) for row in rows] == [[*spaced, tok.sep_id]]
+    assert tok.tokenize_ids(["[PAD]"]) == [[tok.pad_id]]  # fine-tuning and fill-mask still read them as specials
+
+
 @pytest.mark.parametrize("mode", ["complete", "doc"])
 def test_complete_and_doc_never_split_a_sentence(mode, tmp_path, wordpiece_dir):
     tok = Tokenizer.load(wordpiece_dir)

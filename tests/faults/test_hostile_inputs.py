@@ -96,6 +96,8 @@ def test_a_damaged_compressed_corpus_is_one_line(cut, capsys, tally):
 
 
 @given(docs=st.lists(nasty_text, max_size=20))
+@example(docs=["[PAD]"])
+@example(docs=["[CLS] a [SEP] b [MASK]"])
 def test_preprocessing_any_text_keeps_every_token(docs, wordpiece_dir, capsys, tally):
     """JSONL keeps document boundaries exact, so the shards must hold exactly the tokenizer's tokens of each one."""
     tally("hostile")
@@ -107,10 +109,13 @@ def test_preprocessing_any_text_keeps_every_token(docs, wordpiece_dir, capsys, t
     code, err = outcome(argv, capsys)
     kept = [d.strip() for d in docs if d.strip()]
     tok = Tokenizer.load(wordpiece_dir)
-    expected = [t for ids in tok.tokenize_ids(kept) for t in [*ids, tok.sep_id]] if kept else []
+    read = tok.tokenize_ids(kept, literal_specials=True)
+    expected = [t for ids in read for t in [*ids, tok.sep_id]] if kept else []
     if code == 0:
         rows, _ = rows_of(tmp / "out")
         assert [t for row in rows for t in content(row, tok)] == expected
+        specials = {tok.cls_id, tok.sep_id, tok.pad_id, tok.mask_id}
+        assert not specials & {t for ids in read for t in ids}  # a written "[PAD]" stays text
     else:
         assert not expected and str(corpus) in err, err  # nothing to tokenize, and the file is named
         assert not (tmp / "out" / "manifest.json").exists()

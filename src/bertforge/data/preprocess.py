@@ -61,9 +61,9 @@ def tokenize_chunk(docs: Sequence[str], by_sentence: bool, tok: Tokenizer | None
     tok = tok or _WORKER_TOKENIZER
     assert tok is not None
     if not by_sentence:
-        return [[np.asarray(ids, np.int32)] for ids in tok.tokenize_ids(docs)]
+        return [[np.asarray(ids, np.int32)] for ids in tok.tokenize_ids(docs, literal_specials=True)]
     sentences = [split_sentences(d) for d in docs]
-    flat = tok.tokenize_ids([s for doc in sentences for s in doc])
+    flat = tok.tokenize_ids([s for doc in sentences for s in doc], literal_specials=True)
     out, i = [], 0
     for doc in sentences:
         out.append([np.asarray(ids, np.int32) for ids in flat[i : i + len(doc)] if ids])

@@ -233,9 +233,18 @@ class Tokenizer:
         t = self.template
         return len(t.prefix) + (len(t.middle) + len(t.suffix) if pair else len(t.single_suffix))
 
-    def tokenize_ids(self, texts: Sequence[str]) -> list[list[int]]:
-        """Token ids without special tokens, in parallel over the batch."""
-        return [e.ids for e in self.tok.encode_batch(list(texts), add_special_tokens=False)]
+    def tokenize_ids(self, texts: Sequence[str], literal_specials: bool = False) -> list[list[int]]:
+        """Token ids without special tokens, in parallel over the batch.
+
+        With `literal_specials` a "[PAD]" or "<mask>" written in the text is read as text: a corpus's words must never
+        become a row's structure (a pad id inside a row would be taken for padding).
+        """
+        before = self.tok.encode_special_tokens
+        self.tok.encode_special_tokens = literal_specials
+        try:
+            return [e.ids for e in self.tok.encode_batch(list(texts), add_special_tokens=False)]
+        finally:
+            self.tok.encode_special_tokens = before
 
     def assemble(
         self,
