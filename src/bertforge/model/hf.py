@@ -109,13 +109,18 @@ def build_with_weights(
     missing_head = _match_weights(cfg, flat, tensors, head, source)
     fresh = [path for path, value in flat.items() if isinstance(value, jax.ShapeDtypeStruct)]
 
-    def initial() -> tuple[list[jax.Array], Any]:
+    def initial(key_seed: jax.Array | int) -> tuple[list[jax.Array], Any]:
         # The same draws as build's (XLA drops the ones not returned), and the model's random-stream state.
-        _, drawn, rest = nnx.split(fresh_model(), nnx.Param, ...)
+        _, drawn, rest = nnx.split(fresh_model(seed=key_seed), nnx.Param, ...)
         values = flatten_dict(nnx.to_pure_dict(drawn))
         return [values[path] for path in fresh], rest
 
-    values, rest = jax.jit(initial)()
+    # The seed as an argument, not a constant: one program (one cache entry) for every seed, drawing what the int
+    # draws in this range (build adds 1 for the dropout stream).
+    if 0 <= seed < 2**32 - 1:
+        values, rest = jax.jit(initial)(np.uint32(seed))
+    else:
+        values, rest = jax.jit(functools.partial(initial, seed))()
     flat.update(zip(fresh, values, strict=True))
     nnx.replace_by_pure_dict(params, unflatten_dict(flat))
     return nnx.merge(graphdef, params, rest), missing_head
