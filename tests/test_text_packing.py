@@ -34,7 +34,7 @@ from bertforge.model.config import ModelConfig, preset
 from bertforge.runtime.devices import global_array, make_mesh
 from bertforge.tasks import packed_batches
 from bertforge.tasks.model_outputs import INPUTS
-from bertforge.tasks.packed_batches import step_batch
+from bertforge.tasks.packed_batches import packed_outputs, step_batch
 from bertforge.tokenizer.load import Encoded
 from bertforge.train.contrastive import ContrastiveConfig
 from bertforge.train.optim import OptimConfig, make_optimizer
@@ -91,9 +91,33 @@ def test_pack_puts_each_text_at_its_start_with_its_segment_and_fillers_empty():
 def test_eval_batches_take_every_text_once_within_the_shape():
     lengths = np.random.default_rng(2).integers(2, 33, 200)
     batches = eval_batches(lengths, 32, rows=4, texts=9)
-    assert sorted(np.concatenate(batches).tolist()) == list(range(200))
+    assert sorted(i for b in batches for row in b for i in row) == list(range(200))
     for b in batches:
-        assert len(b) <= 9 and len(first_fit(lengths[b].tolist(), 32)) <= 4
+        assert len(b) <= 4 and sum(map(len, b)) <= 9
+        assert all(lengths[row].sum() <= 32 for row in b)
+
+
+def test_eval_batches_fill_the_long_texts_gaps_with_the_short_ones():
+    # 8 texts of 40 tokens and 16 of 10 in rows of 64: 480 tokens, so at least two batches of 4 rows (256 tokens);
+    # longest first alone takes three (two of the long texts, one a row, then the short ones).
+    lengths = np.array([10, 40] * 8 + [10] * 8)
+    batches = eval_batches(lengths, 64, rows=4, texts=100)
+    assert len(batches) == 2
+    for b in batches:
+        assert sorted(lengths[row].tolist() for row in b) == [[40, 10, 10]] * 4
+
+
+def test_packed_outputs_are_each_texts_own_in_input_order():
+    # forward returns each text slot's first token id, 200 + the text's index: each must come back at its index.
+    plain = texts([30, 5, 12, 30, 3, 20, 7, 30, 9, 2])
+    encs = [Encoded([200 + k, *e.ids[1:]], e.type_ids) for k, e in enumerate(plain)]
+    shape = PackShape(length=32, rows=3, texts=8, eval_rows=3, eval_texts=8)
+
+    def forward(batch):
+        return batch["input_ids"].reshape(-1)[batch["starts"]][:, None].astype(np.float32)
+
+    out = packed_outputs(forward, encs, shape, pad_id=0)
+    assert out[:, 0].tolist() == [200 + k for k in range(len(encs))]
 
 
 # ------------------------------------------------------------------------------------------------ every family

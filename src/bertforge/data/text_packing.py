@@ -42,7 +42,7 @@ class PackShape:
 
 def first_room(free: list[int], n: int) -> int:
     """The first of the rows with `free` tokens left that holds n more, or len(free) for a new row: where first fit
-    puts a text, for first_fit and eval_batches alike (an evaluation batch must pack as it was counted)."""
+    puts a text, for first_fit and eval_batches alike."""
     return next((r for r, room in enumerate(free) if room >= n), len(free))
 
 
@@ -100,36 +100,51 @@ def micro_batches(encs: Sequence[Encoded], shape: PackShape, pad_id: int) -> lis
     """A training step's texts packed by first_fit and cut into micro-batches of shape.rows rows, as few as they
     need: each micro-batch's packed batch, and which of `encs` it holds (in the order of its text slots)."""
     placed = first_fit([len(e.ids) for e in encs], shape.length)
-    out = []
-    for at in range(0, len(placed), shape.rows):
-        chunk = placed[at : at + shape.rows]
-        held = [i for row in chunk for i in row]
-        local = {i: j for j, i in enumerate(held)}
-        rows = [[local[i] for i in row] for row in chunk]
-        out.append((fill([encs[i] for i in held], rows, shape.length, shape.rows, shape.texts, pad_id), held))
-    return out
+    chunks = [placed[at : at + shape.rows] for at in range(0, len(placed), shape.rows)]
+    return [fill_rows(encs, chunk, shape.length, shape.rows, shape.texts, pad_id) for chunk in chunks]
 
 
-def eval_batches(lengths: np.ndarray, length: int, rows: int, texts: int) -> list[np.ndarray]:
-    """Evaluation batches: the texts longest first, each batch as many as first_fit places in `rows` rows, at most
-    `texts` of them."""
-    order = np.argsort(-np.asarray(lengths), kind="stable")
-    batches: list[np.ndarray] = []
-    i = 0
-    while i < len(order):
+def fill_rows(encs: Sequence[Encoded], placed: list[list[int]], length: int, rows: int, texts: int,
+              pad_id: int) -> Micro:  # fmt: skip
+    """The packed batch of the texts that `placed` puts in its rows (indices into all of `encs`), and which texts
+    it holds, in the order of its text slots."""
+    held = [i for row in placed for i in row]
+    slot = {i: k for k, i in enumerate(held)}
+    local = [[slot[i] for i in row] for row in placed]
+    return fill([encs[i] for i in held], local, length, rows, texts, pad_id), held
+
+
+def eval_batches(lengths: np.ndarray, length: int, rows: int, texts: int) -> list[list[list[int]]]:
+    """Evaluation batches of at most `rows` rows and `texts` texts, each as its rows' texts (indices into lengths):
+    the longest texts left first, by first fit, then the gaps they leave filled with the shortest left. Longest
+    first alone would give the first batches one long text a row and the last ones the short texts; filling the
+    gaps from the short end takes fewer batches of the one compiled shape."""
+    order = np.argsort(-np.asarray(lengths), kind="stable").tolist()
+    head, tail, batches = 0, len(order), []
+    while head < tail:
         free: list[int] = []
-        j = i
-        while j < len(order) and j - i < texts:
-            n = int(lengths[order[j]])
+        placed: list[list[int]] = []
+        for _ in range(min(texts, tail - head)):
+            n = int(lengths[order[head]])
             row = first_room(free, n)
             if row == len(free):
                 if len(free) == rows:
                     break
                 free.append(length)
+                placed.append([])
             free[row] -= n
-            j += 1
-        batches.append(order[i:j])
-        i = j
+            placed[row].append(order[head])
+            head += 1
+        room = texts - sum(map(len, placed))
+        while head < tail and room > 0:
+            n = int(lengths[order[tail - 1]])  # the shortest text left
+            row = first_room(free, n)
+            if row == len(free):
+                break  # no gap holds it, nor any text left
+            free[row] -= n
+            placed[row].append(order[tail - 1])
+            tail, room = tail - 1, room - 1
+        batches.append(placed)
     return batches
 
 

@@ -34,7 +34,16 @@ from bertforge.data.batching import (
     padded_length,
     tokens_of,
 )
-from bertforge.data.text_packing import PackShape, eval_batches, fill, first_fit, micro_batches, pack, round_up
+from bertforge.data.text_packing import (
+    PackShape,
+    eval_batches,
+    fill,
+    fill_rows,
+    first_fit,
+    micro_batches,
+    pack,
+    round_up,
+)
 from bertforge.model.architectures import SEGMENT_FAMILIES
 from bertforge.model.config import ModelConfig
 from bertforge.runtime.devices import global_array
@@ -189,8 +198,8 @@ def packed_outputs(forward: Callable[[dict[str, np.ndarray]], Any], encs: Sequen
     tqdm progress bar, advances by the texts done."""
     out: np.ndarray | None = None
     lengths = np.array([tokens_of(e) for e in encs])
-    for idx in eval_batches(lengths, shape.length, shape.eval_rows, shape.eval_texts):
-        batch = pack([encs[i] for i in idx], shape.length, shape.eval_rows, shape.eval_texts, pad_id)  # type: ignore[misc]
+    for placed in eval_batches(lengths, shape.length, shape.eval_rows, shape.eval_texts):
+        batch, idx = fill_rows(encs, placed, shape.length, shape.eval_rows, shape.eval_texts, pad_id)  # type: ignore[arg-type]
         values = np.asarray(forward(batch))[: len(idx)]
         if out is None:
             out = np.zeros((len(encs), *((limit,) if values.ndim == 3 else ()), values.shape[-1]), np.float32)
