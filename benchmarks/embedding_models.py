@@ -21,6 +21,7 @@ bertforge instead leaves a passage that several questions of a batch share out o
     .venv/bin/python benchmarks/embedding_models.py --max-length 128 --train-fraction 0.5 --seeds 0 1 2
     .venv/bin/python benchmarks/embedding_models.py --model runs/ja-mini-hf --max-length 128 --train-fraction 0.5
     .venv/bin/python benchmarks/embedding_models.py --seeds 0 --render
+    .venv/bin/python benchmarks/embedding_models.py --max-length 128 --train-fraction 0.5 --bf16   # bf16 on a CPU
     python benchmarks/embedding_models.py --device gpu --bf16 --batch-size 4096 --cached 64 --seeds 0 1 2
 """
 
@@ -82,7 +83,8 @@ def read_csv(path: Path) -> list[dict[str, str]]:
 # ------------------------------------------------------------------------------------------------------ scoring
 def final_scores(folder: str, work: Path, sts: Path, bf16: bool, max_length: int) -> dict[str, float]:
     """nDCG@10 and MRR@10 of the evaluation questions over every passage, and JSTS Spearman, of a model folder
-    encoded by sentence-transformers, texts cut at `max_length` tokens."""
+    encoded by sentence-transformers, texts cut at `max_length` tokens; in bf16 only on a GPU, so that CPU runs of
+    either precision are scored alike."""
     import numpy as np
     import torch
     from scipy.stats import spearmanr
@@ -91,6 +93,7 @@ def final_scores(folder: str, work: Path, sts: Path, bf16: bool, max_length: int
     from bertforge.train.retrieval import retrieval_scores
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    bf16 = bf16 and device == "cuda"
     model = SentenceTransformer(folder, device=device, model_kwargs={"dtype": torch.bfloat16} if bf16 else None)
     model.max_seq_length = max_length
     encode = lambda texts: np.asarray(model.encode(texts, batch_size=EVAL_BATCH, convert_to_numpy=True), np.float32)  # noqa: E731
@@ -130,7 +133,7 @@ def _st(args: argparse.Namespace, work: Path, out: Path) -> tuple[dict, str]:
     cmd = [sys.executable, __file__, "--worker", "st", "--work", str(work), "--st-out", str(out), "--model",
            args.model, "--max-length", str(args.max_length), "--batch-size", str(args.batch_size), "--epochs",
            str(args.epochs), "--lr", str(args.lr), "--seeds", str(args.seed), "--cached", str(args.cached)]  # fmt: skip
-    cmd += ["--bf16"] if args.bf16 else []
+    cmd += ["--device", args.device] + (["--bf16"] if args.bf16 else [])
     start = time.perf_counter()
     subprocess.run(cmd, check=True)
     wall = time.perf_counter() - start
@@ -149,7 +152,7 @@ def st_worker(args: argparse.Namespace) -> None:
     )
 
     work, out = Path(args.work), Path(args.st_out)
-    model = SentenceTransformer(args.model, device="cuda" if args.bf16 else "cpu")
+    model = SentenceTransformer(args.model, device="cuda" if args.device == "gpu" else "cpu")
     model.max_seq_length = args.max_length
     train = read_csv(work / "train.csv")
     dataset = Dataset.from_dict({"question": [r["question"] for r in train], "passage": [r["passage"] for r in train]})
@@ -168,7 +171,7 @@ def st_worker(args: argparse.Namespace) -> None:
         learning_rate=args.lr, warmup_steps=WARMUP, weight_decay=WEIGHT_DECAY, lr_scheduler_type="linear",
         batch_sampler=BatchSamplers.NO_DUPLICATES, eval_strategy="epoch", save_strategy="epoch", save_total_limit=1,
         load_best_model_at_end=True, metric_for_best_model="eval_valid_cosine_ndcg@10", greater_is_better=True,
-        logging_steps=10, report_to="none", seed=args.seed, bf16=args.bf16, use_cpu=not args.bf16,
+        logging_steps=10, report_to="none", seed=args.seed, bf16=args.bf16, use_cpu=args.device == "cpu",
         dataloader_num_workers=0,
     )  # fmt: skip
     trainer = SentenceTransformerTrainer(model=model, args=training, train_dataset=dataset, loss=loss,
