@@ -605,6 +605,24 @@ def test_finished_folds_are_kept_and_the_rest_run_when_the_command_is_repeated(m
     assert len(json.loads((out / "summary.json").read_text())["folds"]) == 2
 
 
+def test_a_repeated_command_with_other_settings_is_refused_before_it_trains(model_dir, tmp_path, capsys):
+    # A finished fold reflects its settings: another learning rate or number of epochs into the same folder would
+    # report the old fold as if it were the new command's, or mix folds of two settings in one summary.
+    data = write_table(tmp_path / "train.csv", river_rows(48, seed=3))
+    out = tmp_path / "run"
+    assert finetune(model_dir, data, out, "--folds", "2", "--fold", "0", "--train.epochs=1") == 0
+    config = (out / "config.yaml").read_text()
+    capsys.readouterr()
+    assert finetune(model_dir, data, out, "--folds", "2", "--train.epochs=2", "--optim.lr=1e-3") == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and str(out) in err
+    assert "train.epochs: 1" in err and "gives 2" in err and "also optim.lr" in err
+    assert not (out / "fold-1").exists() and (out / "config.yaml").read_text() == config
+    # where it logs and which folds it runs may change: fold 1 trains, fold 0 is kept
+    assert finetune(model_dir, data, out, "--folds", "2", "--train.epochs=1", "--log.every=5") == 0
+    assert "fold 1:" in capsys.readouterr().out
+
+
 def test_undefined_scores_are_written_as_null_and_a_repeated_command_reads_them_back(model_dir, tmp_path):
     # A validation table of one row: its Pearson and Spearman correlations are undefined (NaN). JSON has no NaN:
     # metrics.jsonl, result.json and summary.json hold null there, and the repeated command, which reads the

@@ -436,6 +436,8 @@ def test_resume_from_another_runs_checkpoint_and_never(shards, tmp_path):
     with pytest.raises(UserError, match="already has checkpoints"):
         pretrain.main(config(shards), str(tmp_path / "a"), resume="never")
     pretrain.main(config(shards), str(tmp_path / "b"), resume=str(tmp_path / "a" / "checkpoints" / "10"))
+    with pytest.raises(UserError, match=r"a: this run has optim.lr: 0.003, this command gives 0.001;"):
+        pretrain.main(config(shards, optim={"lr": 1e-3}), str(tmp_path / "a"))
     pretrain.main(config(shards), str(tmp_path / "a"))  # the same run, continued to step 20
     a, b = losses(tmp_path / "a"), losses(tmp_path / "b")
     assert min(b) == 11 and all(b[s] == a[s] for s in b)

@@ -38,7 +38,7 @@ import numpy as np
 import yaml
 
 from bertforge import version
-from bertforge.config import to_dict
+from bertforge.config import read_yaml, to_dict
 from bertforge.data import tabular
 from bertforge.errors import UserError
 from bertforge.fileio import finite_json, nan_for_null, read_json_object, write_atomic
@@ -77,6 +77,41 @@ def kind(run: str | Path) -> str | None:
 def write_config(run_dir: Path, cfg: Any) -> None:
     """RUN/config.yaml: the config dataclass `cfg` as YAML, in its fields' order."""
     write_atomic(Path(run_dir) / CONFIG, yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+
+# What a run may change when it continues: where it logs and publishes, how its devices are laid out, how often it
+# saves, and which folds this process trains.
+FREE_SETTINGS = ("log", "hub", "mesh", "checkpoint", "folds.run")
+
+
+def check_settings(run_dir: Path, cfg: Any, free: Sequence[str] = ()) -> None:
+    """Refuse to continue the run in `run_dir` with other settings than RUN/config.yaml's: its checkpoints and
+    finished folds were made with those. FREE_SETTINGS and `free` (keys or sections) may change; a key that one
+    side lacks (another version's) is left alone."""
+    path = Path(run_dir) / CONFIG
+    if not path.is_file():
+        return
+    old = _flat(read_yaml(path))
+    new = _flat(yaml.safe_load(yaml.safe_dump(to_dict(cfg), sort_keys=False)))
+    loose = tuple(f"{f}." for f in (*FREE_SETTINGS, *free))
+    changed = [k for k in new if k in old and old[k] != new[k] and not f"{k}.".startswith(loose)]
+    if changed:
+        k, more = changed[0], changed[1:]
+        also = f" (also {', '.join(more[:3])}{', ...' if len(more) > 3 else ''})" if more else ""
+        raise UserError(
+            f"{run_dir}: this run has {k}: {old[k]!r}, this command gives {new[k]!r}{also}; to continue it, give "
+            "its own settings (its config.yaml), or use another --out"
+        )
+
+
+def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """{'a.b': value} of a nested mapping; lists and empty mappings are values."""
+    if not isinstance(tree, dict) or not tree:
+        return {prefix: tree}
+    flat: dict[str, Any] = {}
+    for key, sub in tree.items():
+        flat.update(_flat(sub, f"{prefix}.{key}" if prefix else str(key)))
+    return flat
 
 
 def is_run(folder: str | Path) -> bool:

@@ -144,8 +144,10 @@ def _setup(cfg: FinetuneConfig) -> Setup:
 
 def main(cfg: FinetuneConfig, out: str, resume: str = "auto") -> dict[str, Any]:
     """Fine-tune the folds of `cfg`; returns the summary (also in RUN/summary.json)."""
-    pre, names, table, valid, run, folds = _setup(cfg)
     run_dir = Path(out)
+    if resume == "auto" and runs.fold_dirs(run_dir):  # before the model and the tables are read
+        runs.check_settings(run_dir, cfg)
+    pre, names, table, valid, run, folds = _setup(cfg)
     with runs.locked(run_dir):
         return _main(cfg, run_dir, resume, pre, names, table, valid, run, folds)
 

@@ -95,6 +95,11 @@ class CheckpointConfig:
     keep_best: int = 1
 
 
+# Settings a pretraining run may change when it continues, besides runs.FREE_SETTINGS: how long it trains (a finished
+# run given a larger budget goes on) and how it is evaluated.
+CONTINUABLE = ("train.max_steps", "train.max_epochs", "train.max_tokens", "train.time_budget_minutes", "eval")
+
+
 @dataclasses.dataclass(frozen=True)
 class PretrainConfig:
     model: ModelConfig = dataclasses.field(default_factory=lambda: preset("mini"))
@@ -268,9 +273,11 @@ def _main(
     mesh = build_mesh(cfg.mesh, cfg.train.global_batch, cfg.train.grad_accum, "train.global_batch")
     loader = make_loader(inputs.train, cfg.train.global_batch, cfg.train.ramp(), cfg.data.seed, mesh)
     budget = budget_of(cfg.train, loader.batches_per_epoch, inputs.train.seq_len)
-    model, state = train_state(cfg, inputs.init, mesh)
     run_dir.mkdir(parents=True, exist_ok=True)
     checkpoints = Checkpoints(run_dir / runs.CHECKPOINTS, cfg.checkpoint.keep_last, cfg.checkpoint.keep_best)
+    if resume == "auto" and checkpoints.latest_step() is not None:
+        runs.check_settings(run_dir, cfg, CONTINUABLE)
+    model, state = train_state(cfg, inputs.init, mesh)
     state, start_step, elapsed = resume_state(resume, run_dir, checkpoints, state, loader)
     if jax.process_index() == 0:
         write_run_folder(run_dir, cfg, inputs.tokenizer)
