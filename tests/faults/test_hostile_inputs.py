@@ -236,6 +236,47 @@ def test_any_bytes_as_a_training_table(data, model_dir, capsys, tally):
     shutil.rmtree(tmp)
 
 
+@pytest.fixture(scope="module")
+def finished_run(model_dir, tmp_path_factory) -> tuple[Path, list[str]]:
+    """A fine-tuning run whose one fold is finished, and the command that made it."""
+    tmp = tmp_path_factory.mktemp("finished")
+    rows = [(f"river {'city ' * (i % 5)}walk {i}", f"{i % 3}.5") for i in range(24)]
+    with open(tmp / "train.csv", "w", newline="", encoding="utf-8") as fh:
+        csv.writer(fh).writerows([("text", "target"), *rows])
+    argv = ["finetune", "--model", str(model_dir), "--data", str(tmp / "train.csv"), "--out", str(tmp / "run"),
+            "--folds", "2", "--fold", "0", "--train.epochs=0.1", "--log.progress=false"]  # fmt: skip
+    assert cli(argv) == 0
+    return tmp / "run", argv
+
+
+@given(text=st.one_of(nasty_text, st.dictionaries(st.sampled_from(["train", "optim", "head", "log", "x"]),
+                                                  st.dictionaries(st.sampled_from(["epochs", "lr", "every"]),
+                                                                  st.one_of(st.integers(), st.text(max_size=5)))
+                                                  ).map(yaml.safe_dump)))  # fmt: skip
+@example(text="train: {epochs: 5}\n")
+@example(text="- a list\n")
+@example(text="train: [\n")
+def test_a_damaged_run_config_when_the_command_is_repeated(text, finished_run, capsys, tally):
+    # The repeated command compares its settings with the run's config.yaml: whatever that file holds, the fold
+    # already finished is reported as it is, or the command is one line naming the file or the key that differs.
+    tally("hostile")
+    tmp = scratch()
+    run = shutil.copytree(finished_run[0], tmp / "run")
+    (run / "config.yaml").write_text(text, encoding="utf-8")
+    argv = [str(run) if a == str(finished_run[0]) else a for a in finished_run[1]]
+    code, err = outcome(argv, capsys)
+    if code == 2:
+        assert str(run / "config.yaml") in err or ("this run has" in err and str(run) in err), err
+    try:
+        train = (yaml.safe_load(text) or {}).get("train")
+    except (yaml.YAMLError, AttributeError):
+        train = None
+    if isinstance(train, dict) and train.get("epochs", 0.1) != 0.1:  # the run's own epochs: 0.1
+        assert code == 2 and "this run has train.epochs" in err, err
+    assert (run / "fold-0" / "result.json").read_bytes() == (finished_run[0] / "fold-0" / "result.json").read_bytes()
+    shutil.rmtree(tmp)
+
+
 @settings(max_examples=6)  # an example that reads compiles its lengths
 @given(data=st.binary(max_size=2000), tags=st.booleans())
 @example(data=b"text,target\n,1.5\nabc,nan\n", tags=False)
