@@ -27,7 +27,7 @@ def test_the_users_own_tunables_win_and_are_kept():
     found = _tunables(env)
     assert found["glibc.malloc.trim_threshold"] == "1024"
     assert found["glibc.malloc.arena_max"] == "2"
-    assert found["glibc.malloc.hugetlb"] == TUNABLES["glibc.malloc.hugetlb"]
+    assert found["glibc.malloc.mmap_threshold"] == TUNABLES["glibc.malloc.mmap_threshold"]
 
 
 def test_no_rerun_once_set_when_opted_out_or_off_linux():

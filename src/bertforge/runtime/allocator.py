@@ -2,8 +2,9 @@
 
 XLA on CPU allocates and frees its large temporary buffers at every step. With glibc's defaults each buffer over the
 mmap threshold goes back to the kernel when freed and is faulted in again, page by page, at the next step; keeping
-freed memory in the process (higher mmap and trim thresholds) and backing it with transparent huge pages removes
-those faults. glibc reads these tunables only when a process starts, hence the re-run.
+freed memory in the process (higher mmap and trim thresholds) removes those faults. glibc reads these tunables only
+when a process starts, hence the re-run. Transparent huge pages on the heap (glibc.malloc.hugetlb=1) are left off:
+their faults cost every run seconds of kernel time at its first steps, more than they saved later.
 
 `bertforge finetune` also puts every thread on glibc's main heap (`arena_max=1`) and never maps a buffer on its own
 (`mmap_max=0`): glibc unmaps a worker thread's own heap whenever it is left empty, whatever the trim threshold, so
@@ -31,7 +32,6 @@ NOTE = (
 )
 
 TUNABLES = {
-    "glibc.malloc.hugetlb": "1",  # madvise(MADV_HUGEPAGE) on the heap: huge pages, far fewer faults
     "glibc.malloc.mmap_threshold": str(32 * 2**20),  # glibc's maximum: buffers below it come from the heap
     "glibc.malloc.trim_threshold": str(4 * 2**30),  # keep freed heap memory for the next step
 }
