@@ -122,5 +122,8 @@ def test_finetunes_tunables_keep_a_steps_temporaries_mapped():
 
     # glibc's defaults (opted out): every call maps its temporaries afresh, thousands of 4 KiB faults; finetune's
     # tunables keep them, so a warm call faults in (almost) nothing.
-    assert faults(**{OPT_OUT: "system"}) > 1000
-    assert faults() < 5
+    system = faults(**{OPT_OUT: "system"})
+    assert system > 1000
+    # A warm call may still fault in the heap's last growth (a few hundred 4 KiB pages when XLA's threads allocate in
+    # another order, under load), against every page of its 96 MiB of temporaries under glibc's defaults.
+    assert faults() < system / 20
