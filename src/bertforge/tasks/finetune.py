@@ -19,14 +19,14 @@ from flax import nnx
 
 from bertforge import hub, runs
 from bertforge.config import to_dict
-from bertforge.data.batching import Row, choices_of, epoch_batches, ladder, tokens_of
+from bertforge.data.batching import EncodedChoices, Row, choices_of, epoch_batches, ladder, tokens_of
 from bertforge.data.folds import FoldsConfig, check_classes, fold_plan, folds_to_run
 from bertforge.data.labelled import Table, TableConfig
 from bertforge.data.long_text import record_of, records_of
 from bertforge.data.text_packing import PackShape
 from bertforge.errors import UserError
 from bertforge.finetuning import TASKS
-from bertforge.model import attention, dropout
+from bertforge.model import attention, dropout, used_rows
 from bertforge.model.hf import Pretrained
 from bertforge.model.load import load_model
 from bertforge.runtime.devices import MeshConfig, build_mesh, param_shardings, run_mesh
@@ -170,6 +170,7 @@ def _job(cfg: FinetuneConfig, run_dir: Path, pre: Pretrained, names: list[str], 
     shards = mesh.shape["data"] * mesh.shape["fsdp"]
     if cfg.train.eval_batch_size % shards:
         raise UserError(f"train.eval_batch_size={cfg.train.eval_batch_size} does not split over {shards} devices")
+    trimmed = _trim(cfg, pre, table, valid)
     graphdef, params, rest = nnx.split(pre.model, nnx.Param, ...)
     pristine = jax.device_get(params)
     shardings = param_shardings(pre.model, mesh)
@@ -219,7 +220,24 @@ def _job(cfg: FinetuneConfig, run_dir: Path, pre: Pretrained, names: list[str], 
         hub_folder="fold-{fold}" if len(fold_rows) > 1 else "",
         choices=choices_of(table.encs),
         pack=pack,
+        trimmed=trimmed,
     )
+
+
+def _trim(cfg: FinetuneConfig, pre: Pretrained, table: Table, valid: Table | None) -> used_rows.Trimmed | None:
+    """The model's word-embedding table cut to the rows of the tokens the run's texts hold (model/used_rows.py),
+    in place, unless train.trim_vocab is off or the lazy table update (which works on the table's rows by token
+    id) is on; None when the table stays whole."""
+    if not cfg.train.trim_vocab or cfg.train.sparse_embeddings:
+        return None
+    texts = (e for t in (table, valid) if t is not None for row in t.encs or () for e in _texts(row))
+    tok = pre.tokenizer
+    always = {i for i in (tok.cls_id, tok.sep_id, tok.pad_id, tok.mask_id, tok.unk_id) if i is not None}
+    return used_rows.shrink(pre.model, used_rows.used_ids((e.ids for e in texts), always))
+
+
+def _texts(row: Row) -> tuple:
+    return tuple(row.options) if isinstance(row, EncodedChoices) else (row,)
 
 
 def _main(

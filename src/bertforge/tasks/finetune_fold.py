@@ -32,10 +32,11 @@ from bertforge.data.batching import (
 from bertforge.data.labelled import Table
 from bertforge.data.long_text import record_of, records_of
 from bertforge.data.text_packing import PackShape
+from bertforge.errors import UserError
 from bertforge.finetuning import FinetuneTask
 from bertforge.finetuning.pairs import distinct_texts
 from bertforge.hub import HubConfig, Publisher
-from bertforge.model import sentence_folder
+from bertforge.model import sentence_folder, used_rows
 from bertforge.model.hf import Pretrained, save_pretrained
 from bertforge.runtime.devices import fetch, global_array
 from bertforge.tasks.fold_eval import Evaluations, eval_batch, rank, scores
@@ -62,6 +63,9 @@ class FinetuneTrainConfig:
     # Lazy AdamW on the word-embedding table: only the rows of each batch's tokens are updated (faster on short
     # texts; changes the numbers, see train/sequence_step.py).
     sparse_embeddings: bool = False
+    # Train the word-embedding rows of the tokens the run's texts hold; the others, whose gradient is zero, only
+    # decay, by one shared factor (model/used_rows.py). The same numbers; the model folder has the whole table.
+    trim_vocab: bool = True
 
     def __post_init__(self) -> None:
         if self.batch_size < 1 or self.grad_accum < 1 or self.batch_size % self.grad_accum:
@@ -106,12 +110,15 @@ class Job:
     hub_folder: str = ""  # where in the Hub repository this run's models go: fold-K/ when it trains several
     choices: int = 0  # a multiple-choice row's choices (its batches are (B, N, T)); 0 for texts
     pack: PackShape | None = None  # the shape of packed batches (tasks/packed_batches.py); None: padded rows
+    trimmed: used_rows.Trimmed | None = None  # the word-embedding rows the programs train, or None: all
 
 
 def write_model(job: Job, fold_dir: Path, params: Any, out: Path, step: int) -> None:
     """The fold's model with `params` (its state at `step`) as a Hugging Face folder `out`, with a model card whose
     curves run to the last step logged (process 0 only)."""
     model = nnx.merge(job.graphdef, params, job.rest)
+    if job.trimmed is not None:
+        used_rows.expand(model, job.trimmed)
     config = {k: v for k, v in job.config.items() if k != "hub"}
     records = read_metrics(fold_dir)
     card = card_files(
@@ -203,6 +210,9 @@ def train_fold(job: Job, fold: int, train_rows: np.ndarray, valid_rows: np.ndarr
     state = new_train_state(jax.device_put(job.pristine, job.param_shardings), job.tx, job.mesh)
     checkpoints = Checkpoints(fold_dir / runs.CHECKPOINTS, keep_last=1, keep_best=1)
     state, meta = runs.resume(checkpoints, state, fold_dir, resume)
+    if meta is not None and job.trimmed is not None and meta.get("vocab") != job.trimmed.fingerprint():
+        raise UserError(f"{fold_dir}: its checkpoints hold the word-embedding rows of other texts than this run's "
+                        "data; was the data changed since they were saved? Use another --out")  # fmt: skip
     start_step, elapsed = (0, 0.0) if meta is None else (int(state.step), float(meta.get("elapsed", 0.0)))
     plan = _plan(job, fold, fold_dir, train_rows, valid_rows, started, elapsed)
     state, best, outputs = _train(job, plan, state, checkpoints, start_step)
@@ -307,6 +317,7 @@ def _describe(job: Job, fold: Fold, start_step: int) -> str:
         + f"{fold.steps} steps of {job.train.batch_size} ({fold.per_epoch} per epoch), evaluating every "
         f"{fold.every}; "
         + shapes_line(job.pack, job.rungs, job.bucket, whole=job.task.HEAD in WHOLE)
+        + (f"; {used_rows.describe(job.trimmed)}" if job.trimmed is not None else "")
         + (f"; resuming from step {start_step}" if start_step else "")
     )
 
@@ -333,6 +344,8 @@ def _save(job: Job, fold: Fold, checkpoints: Checkpoints, evaluations: Evaluatio
           evaluation: dict[str, float] | None) -> None:  # fmt: skip
     """The loop's checkpoint, kept by the evaluation's score, and every hub.every-th one pushed to the Hub."""
     meta = {"elapsed": fold.seconds(), "step": step}
+    if job.trimmed is not None:  # the rows of the saved table are those of this run's texts
+        meta["vocab"] = job.trimmed.fingerprint()
     score = None if evaluation is None else rank(job, evaluation)  # checkpoints keep the lowest
     checkpoints.save(step, state, meta, valid_loss=score)
     evaluations.keep({*checkpoints.all_steps(), step})

@@ -102,7 +102,9 @@ def decay_mask(params: Any) -> Any:
 
     def is_decayed(path: tuple, _: Any) -> bool:
         names = param_names(path)
-        return bool(names) and names[-1] in ("kernel", "embedding", "delta")  # delta: rtd.py's residual table
+        # delta: rtd.py's residual table; untouched: the factor of the word-embedding rows a fine-tuning run's
+        # data does not use (model/used_rows.py), decayed as those rows are.
+        return bool(names) and names[-1] in ("kernel", "embedding", "delta", "untouched")
 
     return jax.tree_util.tree_map_with_path(is_decayed, params)
 
