@@ -8,7 +8,7 @@ factor as a scalar parameter beside it, which the same AdamW decays as it would 
 a decayed name); `expand` puts the whole table back, the unused rows scaled by the factor, for the model folder.
 AdamW's pass over the table and the table's gradient then cover the rows in use: a few thousand of
 all-MiniLM-L6-v2's 30,522 on a small task, where the table is half the model's parameters (DeBERTa-v3's 128,100
-rows are 53% of its base model's; XLM-R's 250,002 are 70%). The numbers are the whole table's, to float32's
+rows are 53% of its base model's; XLM-R's 250,002 are 69%). The numbers are the whole table's, to float32's
 rounding of the factor (docs/benchmarks.md#the-rows-a-run-uses).
 """
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from collections.abc import Iterable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -78,16 +79,17 @@ def describe(trimmed: Trimmed) -> str:
     )
 
 
-def used_ids(token_ids: Iterable[Iterable[int]], always: Iterable[int]) -> np.ndarray:
-    """(N,) int64: the distinct ids of every text's tokens and of `always` (the tokenizer's special tokens, which
-    batching adds as padding), ascending."""
+def used_ids(tokenizer: Any, *tables: Iterable[Any] | None) -> np.ndarray:
+    """(N,) int64: the distinct ids of the tokens of every row's text in `tables` (lists of rows, or None: an
+    Encoded's `ids`, or those of each of its `options`) and of the tokenizer's special tokens (batching adds
+    padding), ascending."""
+    specials = (tokenizer.cls_id, tokenizer.sep_id, tokenizer.pad_id, tokenizer.mask_id, tokenizer.unk_id)
     seen = np.zeros(0, np.int64)
-    chunk: list[np.ndarray] = [np.fromiter(always, np.int64)]
-    for ids in token_ids:
-        chunk.append(np.asarray(ids, np.int64))
+    chunk: list[np.ndarray] = [np.array([i for i in specials if i is not None], np.int64)]
+    for row in (row for rows in tables if rows is not None for row in rows):
+        chunk += [np.asarray(e.ids, np.int64) for e in getattr(row, "options", (row,))]
         if len(chunk) >= 4096:
-            seen = np.union1d(seen, np.concatenate(chunk))
-            chunk = []
+            seen, chunk = np.union1d(seen, np.concatenate(chunk)), []
     return np.union1d(seen, np.concatenate(chunk)) if chunk else seen
 
 

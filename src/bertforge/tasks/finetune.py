@@ -19,7 +19,7 @@ from flax import nnx
 
 from bertforge import hub, runs
 from bertforge.config import to_dict
-from bertforge.data.batching import EncodedChoices, Row, choices_of, epoch_batches, ladder, tokens_of
+from bertforge.data.batching import Row, choices_of, epoch_batches, ladder, tokens_of
 from bertforge.data.folds import FoldsConfig, check_classes, fold_plan, folds_to_run
 from bertforge.data.labelled import Table, TableConfig
 from bertforge.data.long_text import record_of, records_of
@@ -166,17 +166,15 @@ def _job(cfg: FinetuneConfig, run_dir: Path, pre: Pretrained, names: list[str], 
     """The encoded tables, the mesh, the optimizer and the compiled programs every fold shares."""
     limit = min(cfg.data.max_length, pre.model.config.max_seq_len)
     assert table.encs is not None and (valid is None or valid.encs is not None)
-    mesh = build_mesh(cfg.mesh, cfg.train.batch_size, cfg.train.grad_accum, "train.batch_size")
-    shards = mesh.shape["data"] * mesh.shape["fsdp"]
-    if cfg.train.eval_batch_size % shards:
-        raise UserError(f"train.eval_batch_size={cfg.train.eval_batch_size} does not split over {shards} devices")
-    trimmed = _trim(cfg, pre, table, valid)
+    mesh, shards = _mesh(cfg)
+    task, t, h = TASKS[cfg.head.task], cfg.train, cfg.head
+    used = used_rows.used_ids(pre.tokenizer, table.encs, valid and valid.encs)  # model/used_rows.py
+    trimmed = used_rows.shrink(pre.model, used) if t.trim_vocab and not t.sparse_embeddings else None
     graphdef, params, rest = nnx.split(pre.model, nnx.Param, ...)
     pristine = jax.device_get(params)
     shardings = param_shardings(pre.model, mesh)
     tx = with_loss_scale(make_optimizer(cfg.optim, params, pre.model.config.num_layers), pre.model.config.dtype)
     state_shardings = jax.tree.map(lambda x: x.sharding, new_train_state(jax.device_put(pristine, shardings), tx, mesh))
-    task, t, h = TASKS[cfg.head.task], cfg.train, cfg.head
     loss = h.loss or task.DEFAULT_LOSS
     contrastive = ContrastiveConfig(loss, h.scale, h.symmetric, h.matryoshka) if task.HEAD == "embedding" else None
     step_cfg = SequenceStepConfig(loss, t.grad_accum, t.sparse_embeddings, row_capacity=t.batch_size * limit,
@@ -224,20 +222,13 @@ def _job(cfg: FinetuneConfig, run_dir: Path, pre: Pretrained, names: list[str], 
     )
 
 
-def _trim(cfg: FinetuneConfig, pre: Pretrained, table: Table, valid: Table | None) -> used_rows.Trimmed | None:
-    """The model's word-embedding table cut to the rows of the tokens the run's texts hold (model/used_rows.py),
-    in place, unless train.trim_vocab is off or the lazy table update (which works on the table's rows by token
-    id) is on; None when the table stays whole."""
-    if not cfg.train.trim_vocab or cfg.train.sparse_embeddings:
-        return None
-    texts = (e for t in (table, valid) if t is not None for row in t.encs or () for e in _texts(row))
-    tok = pre.tokenizer
-    always = {i for i in (tok.cls_id, tok.sep_id, tok.pad_id, tok.mask_id, tok.unk_id) if i is not None}
-    return used_rows.shrink(pre.model, used_rows.used_ids((e.ids for e in texts), always))
-
-
-def _texts(row: Row) -> tuple:
-    return tuple(row.options) if isinstance(row, EncodedChoices) else (row,)
+def _mesh(cfg: FinetuneConfig) -> tuple[jax.sharding.Mesh, int]:
+    """The run's mesh and the devices a batch's rows are split over."""
+    mesh = build_mesh(cfg.mesh, cfg.train.batch_size, cfg.train.grad_accum, "train.batch_size")
+    shards = mesh.shape["data"] * mesh.shape["fsdp"]
+    if cfg.train.eval_batch_size % shards:
+        raise UserError(f"train.eval_batch_size={cfg.train.eval_batch_size} does not split over {shards} devices")
+    return mesh, shards
 
 
 def _main(

@@ -65,6 +65,7 @@ class FinetuneTrainConfig:
     sparse_embeddings: bool = False
     # Train the word-embedding rows of the tokens the run's texts hold; the others, whose gradient is zero, only
     # decay, by one shared factor (model/used_rows.py). The same numbers; the model folder has the whole table.
+    # Not with sparse_embeddings, which finds the table's rows by token id.
     trim_vocab: bool = True
 
     def __post_init__(self) -> None:
