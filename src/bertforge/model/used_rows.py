@@ -31,6 +31,11 @@ from bertforge.model.layers import axes
 ROWS = 512
 
 
+def rows_for(used: int, vocab: int) -> int:
+    """The rows of the table of `used` of a vocabulary of `vocab` tokens: rounded up to ROWS, at most the whole."""
+    return min(-(-used // ROWS) * ROWS, max(vocab, used))
+
+
 class UsedRows(nnx.Module):
     """A word-embedding table of the rows of `ids` (ascending), looked up by token id as nnx.Embed's is.
 
@@ -40,7 +45,7 @@ class UsedRows(nnx.Module):
 
     def __init__(self, table: np.ndarray, ids: np.ndarray) -> None:
         vocab, width = table.shape
-        size = min(-(-len(ids) // ROWS) * ROWS, max(vocab, len(ids)))
+        size = rows_for(len(ids), vocab)
         rows = np.zeros((size, width), table.dtype)  # rows past the ids stay zero: no token reads them
         rows[: len(ids)] = table[ids]
         self.embedding = nnx.Param(jnp.asarray(rows), **axes("vocab", "embed"))
@@ -97,11 +102,11 @@ def shrink(model: nnx.Module, ids: np.ndarray) -> Trimmed | None:
     """Give `model`'s encoder the table of `ids`' rows, in place; None (and nothing changed) when that would not
     make the table at least a tenth smaller."""
     embeddings = model.encoder.embeddings
-    table = np.asarray(jax.device_get(embeddings.word.embedding[...]))
-    used = UsedRows(table, ids)
-    if used.embedding[...].shape[0] > 0.9 * table.shape[0]:
+    vocab = embeddings.word.embedding[...].shape[0]
+    if rows_for(len(ids), vocab) > 0.9 * vocab:
         return None
-    embeddings.word = used
+    table = np.asarray(jax.device_get(embeddings.word.embedding[...]))
+    embeddings.word = UsedRows(table, ids)
     return Trimmed(np.asarray(ids, np.int64), table)
 
 

@@ -168,8 +168,7 @@ def _job(cfg: FinetuneConfig, run_dir: Path, pre: Pretrained, names: list[str], 
     assert table.encs is not None and (valid is None or valid.encs is not None)
     mesh, shards = _mesh(cfg)
     task, t, h = TASKS[cfg.head.task], cfg.train, cfg.head
-    used = used_rows.used_ids(pre.tokenizer, table.encs, valid and valid.encs)  # model/used_rows.py
-    trimmed = used_rows.shrink(pre.model, used) if t.trim_vocab and not t.sparse_embeddings else None
+    trimmed = _trimmed(cfg.train, pre, table, valid)
     graphdef, params, rest = nnx.split(pre.model, nnx.Param, ...)
     pristine = jax.device_get(params)
     shardings = param_shardings(pre.model, mesh)
@@ -220,6 +219,13 @@ def _job(cfg: FinetuneConfig, run_dir: Path, pre: Pretrained, names: list[str], 
         pack=pack,
         trimmed=trimmed,
     )
+
+
+def _trimmed(t: FinetuneTrainConfig, pre: Pretrained, table: Table, valid: Table | None) -> used_rows.Trimmed | None:
+    """The word-embedding rows the run trains (model/used_rows.py), or None where it trains the whole table."""
+    if not t.trim_vocab or t.sparse_embeddings:
+        return None
+    return used_rows.shrink(pre.model, used_rows.used_ids(pre.tokenizer, table.encs, valid and valid.encs))
 
 
 def _mesh(cfg: FinetuneConfig) -> tuple[jax.sharding.Mesh, int]:
