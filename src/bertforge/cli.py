@@ -368,12 +368,15 @@ def _in_multiprocess_run() -> bool:
 
 def entry() -> None:
     """The installed `bertforge` command and `python -m bertforge.cli`: the process-wide settings, then main."""
-    from bertforge.runtime import allocator, xla_options
+    from bertforge.runtime import allocator, collector, xla_options
 
     command = sys.argv[1] if len(sys.argv) > 1 else None
     allocator.rerun_with_tuned_allocator(command)
     xla_options.set_xla_flags(command)  # after the re-run: the settings of the process that goes on
-    sys.exit(main())
+    collector.for_command()
+    code = main()
+    collector.freeze_for_exit()
+    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import jax
 import numpy as np
 
 from bertforge.errors import UserError
+from bertforge.runtime import collector
 
 
 class Preempted(Exception):
@@ -161,9 +162,9 @@ def run(
     periodic = [e for e in (evaluate, checkpoint) if e is not None]
     roles = functools.partial(_run_due, log=log, evaluate=evaluate, checkpoint=checkpoint)
     step, timer = start_step, _Timer(elapsed_before, clock)
-    meter = ThroughputMeter(flops_per_token, peak_flops)
     pending: list[dict[str, Any]] = []
-    with StopFlag() if preemptible else contextlib.nullcontext() as stop_flag:
+    with StopFlag() if preemptible else contextlib.nullcontext() as stop_flag, collector.settled() as settle:
+        meter = ThroughputMeter(flops_per_token, peak_flops)  # after settling: no step's time
         while not budget.done(step, timer.for_budget()):
             progress = budget.progress(step, timer.for_budget())
             lr = lr_at(progress)
@@ -176,17 +177,25 @@ def run(
             if boundary or stopping or any(e.due(step) for e in periodic):
                 _check_finite(pending, step)
             if boundary:
-                log(step, {**_means(pending), "lr": lr, **meter.read(), "elapsed": timer.elapsed()})
-                pending = []
-                meter.start()
-                timer.agree()
+                pending = _log_window(log, step, pending, lr, meter, timer)
             due = functools.partial(_due, step=step, last=budget.done(step, timer.for_budget()))
             with meter.paused():  # the steps are done: _check_finite above waited for them
-                roles(step, state, due, save_anyway=stopping)
+                # Kept for the run: the first step's programs, and what an evaluation or a checkpoint made.
+                if roles(step, state, due, save_anyway=stopping) or step == start_step + 1:
+                    settle()
             if stopping:
                 raise Preempted(f"stopped by signal {stop_flag.signal} at step {step}")
         roles(step, state, functools.partial(_due_at_end, step=step, start_step=start_step, checkpoint=checkpoint))
     return state, step, timer.elapsed()
+
+
+def _log_window(log: Callable[[int, dict[str, float]], None], step: int, pending: list[dict[str, Any]], lr: float,
+                meter: ThroughputMeter, timer: _Timer) -> list[dict[str, Any]]:  # fmt: skip
+    """Log the window of steps that ends at `step` (its metrics `pending`); start the next (nothing pending)."""
+    log(step, {**_means(pending), "lr": lr, **meter.read(), "elapsed": timer.elapsed()})
+    meter.start()
+    timer.agree()
+    return []
 
 
 class ThroughputMeter:
@@ -284,15 +293,17 @@ def _run_due(
     evaluate: Every | None,
     checkpoint: Every | None,
     save_anyway: bool = False,
-) -> None:
-    """Evaluate and then checkpoint with that evaluation's metrics, each when it is `due`."""
-    evaluation = None
+) -> bool:
+    """Evaluate and then checkpoint with that evaluation's metrics, each when it is `due`; whether either ran."""
+    evaluation, ran = None, False
     if evaluate is not None and due(evaluate):
-        evaluation = evaluate.fn(step, state)
+        evaluation, ran = evaluate.fn(step, state), True
         if evaluation:
             log(step, evaluation)
     if checkpoint is not None and (save_anyway or due(checkpoint)):
         checkpoint.fn(step, state, evaluation)
+        ran = True
+    return ran
 
 
 class NonFiniteLoss(UserError):
