@@ -125,3 +125,25 @@ def test_plot_cli_writes_a_png_of_a_run(tmp_path, capsys):
     assert matplotlib.image.imread(tmp_path / "ft.png").shape[1] > 1000
     assert main(["plot", str(tmp_path / "empty")]) == 2
     assert "no metrics.jsonl" in capsys.readouterr().err
+
+
+def test_a_model_folder_drawn_in_a_thread_has_the_card_and_curves_drawn_in_line(tmp_path):
+    """card_files with a pool (the curves drawn while the weights are written) writes the files it writes without."""
+    import concurrent.futures
+
+    from bertforge.card import CARD, CURVES, card_files
+    from bertforge.model.architectures import build
+    from bertforge.model.config import preset
+    from bertforge.model.hf import save_pretrained
+
+    model = build(preset("test"), "mlm", seed=0)
+    card = dict(name="run", kind="pretrain", records=_pretrain_records(), model=model.config, head="mlm", config={})
+    in_line = card_files(**card)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        drawn = card_files(**card, pool=pool)
+        assert isinstance(drawn[CURVES], concurrent.futures.Future)
+        save_pretrained(model, tmp_path / "model", extra_files=drawn)
+    assert (tmp_path / "model" / CARD).read_text() == in_line[CARD]
+    assert (tmp_path / "model" / CURVES).read_bytes() == in_line[CURVES]
+    no_loss = card_files(**{**card, "records": [{"step": 1, "valid_accuracy": 0.5}]}, pool=pool)
+    assert CURVES not in no_loss and "curves.png" not in no_loss[CARD]

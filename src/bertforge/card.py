@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import math
 import re
+from concurrent.futures import Executor, Future
 from pathlib import Path
 from typing import Any
 
@@ -168,11 +169,15 @@ def curves_png(kind: str, name: str, records: list[dict[str, Any]]) -> bytes | N
     return buf.getvalue()
 
 
-def card_files(*, name: str, kind: str, records: list[dict[str, Any]], **card: Any) -> dict[str, str | bytes]:
-    """{README.md: the card, curves.png: the curves} for save_pretrained's extra files."""
-    png = curves_png(kind, name, records)
-    text = model_card(name=name, kind=kind, records=records, curves=png is not None, **card)
-    files: dict[str, str | bytes] = {CARD: text}
-    if png is not None:
-        files[CURVES] = png
+def card_files(
+    *, name: str, kind: str, records: list[dict[str, Any]], pool: Executor | None = None, **card: Any
+) -> dict[str, str | bytes | Future]:
+    """{README.md: the card, curves.png: the curves} for save_pretrained's extra files. With `pool`, the curves
+    are drawn there and come as a Future, so that the caller writes the weights meanwhile (matplotlib's first
+    import and the drawing take about as long as writing and syncing a small model's weights)."""
+    curves = any("loss" in r for r in records)  # as curves_png draws
+    text = model_card(name=name, kind=kind, records=records, curves=curves, **card)
+    files: dict[str, str | bytes | Future] = {CARD: text}
+    if curves:
+        files[CURVES] = pool.submit(curves_png, kind, name, records) if pool else curves_png(kind, name, records)
     return files

@@ -12,6 +12,7 @@ import functools
 import json
 import os
 import re
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -319,7 +320,7 @@ def save_pretrained(
     out: str | os.PathLike,
     tokenizer: Tokenizer | None = None,
     id2label: dict[int, str] | None = None,
-    extra_files: dict[str, str | bytes] | None = None,
+    extra_files: dict[str, str | bytes | Future] | None = None,
     dtype: str = "float32",
 ) -> Path:
     """Write a folder that transformers' AutoModelForMaskedLM, AutoModelForSequenceClassification,
@@ -329,7 +330,7 @@ def save_pretrained(
     Files are written into a temporary folder and moved into place, so a crash never leaves a half-written export.
     Over an existing folder, its config.json goes first and the new one comes last: a folder caught in between has
     none, and neither transformers nor bertforge loads it. `dtype` is the weights' (WEIGHT_DTYPES): half of them
-    halves the folder.
+    halves the folder. An extra file may come as a Future of its contents, waited for after the weights are written.
     """
     out = Path(out)
     head = model.task
@@ -353,7 +354,7 @@ def save_pretrained(
             tokenizer.save(tmp)
         for name, text in (extra_files or {}).items():
             (tmp / name).parent.mkdir(parents=True, exist_ok=True)
-            write_atomic(tmp / name, text)
+            write_atomic(tmp / name, text.result() if isinstance(text, Future) else text)
 
     fill_folder_into(out, fill)
     return out

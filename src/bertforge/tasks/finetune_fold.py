@@ -3,6 +3,7 @@ times an epoch, keep the best checkpoint, and leave FOLD/model (a Hugging Face f
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import math
@@ -121,23 +122,24 @@ def write_model(job: Job, fold_dir: Path, params: Any, out: Path, step: int) -> 
     if job.trimmed is not None:
         used_rows.expand(model, job.trimmed)
     config = {k: v for k, v in job.config.items() if k != "hub"}
-    records = read_metrics(fold_dir)
-    card = card_files(
-        name=job.hub.repo if job.hub.repo else f"{job.run_dir.name}-{fold_dir.name}",
-        kind="finetune",
-        records=records,
-        model=model.config,
-        head=job.task.HEAD,
-        config=config,
-        step=step,
-        metrics=(job.metric,),
-        base_model=job.base_model,
-        task=job.task.NAME,
-        **job.hub.card(),
-    )
-    if job.task.HEAD == "embedding":  # sentence-transformers cuts texts where the run did
-        card = {**sentence_folder.files(model.config, job.limit), **card}
-    save_pretrained(model, out, job.pre.tokenizer, job.pre.id2label, extra_files=card)
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="curves") as pool:  # drawn while weights go
+        card = card_files(
+            name=job.hub.repo if job.hub.repo else f"{job.run_dir.name}-{fold_dir.name}",
+            kind="finetune",
+            records=read_metrics(fold_dir),
+            pool=pool,
+            model=model.config,
+            head=job.task.HEAD,
+            config=config,
+            step=step,
+            metrics=(job.metric,),
+            base_model=job.base_model,
+            task=job.task.NAME,
+            **job.hub.card(),
+        )
+        if job.task.HEAD == "embedding":  # sentence-transformers cuts texts where the run did
+            card = {**sentence_folder.files(model.config, job.limit), **card}
+        save_pretrained(model, out, job.pre.tokenizer, job.pre.id2label, extra_files=card)
 
 
 def _batch(job: Job, rows: np.ndarray, length: int) -> dict[str, np.ndarray]:
