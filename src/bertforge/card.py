@@ -154,12 +154,10 @@ def model_card(
     return "\n".join(lines)
 
 
-def curves_png(kind: str, name: str, records: list[dict[str, Any]]) -> bytes | None:
-    """The run's curves as PNG bytes; None when nothing was logged."""
+def curves_png(kind: str, name: str, records: list[dict[str, Any]]) -> bytes:
+    """The run's curves as PNG bytes (card_files draws them where a loss was logged)."""
     from bertforge.tasks import plot
 
-    if not any("loss" in r for r in records):
-        return None
     if kind == "pretrain":
         fig = plot.pretrain_figure(name, records)
     else:
@@ -175,7 +173,7 @@ def card_files(
     """{README.md: the card, curves.png: the curves} for save_pretrained's extra files. With `pool`, the curves
     are drawn there and come as a Future, so that the caller writes the weights meanwhile (matplotlib's first
     import and the drawing take about as long as writing and syncing a small model's weights)."""
-    curves = any("loss" in r for r in records)  # as curves_png draws
+    curves = any("loss" in r for r in records)
     text = model_card(name=name, kind=kind, records=records, curves=curves, **card)
     files: dict[str, str | bytes | Future] = {CARD: text}
     if curves:
