@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import glob
 import json
 import math
+import mmap
 import os
 import shutil
 import tempfile
@@ -16,6 +18,14 @@ from bertforge.errors import UserError
 
 _UMASK = os.umask(0)
 os.umask(_UMASK)
+
+# Payloads of at least DIRECT_MIN bytes (model weights, vectors) go to the disk past the page cache (O_DIRECT) where
+# the filesystem takes it: they are fsynced anyway, and copying them into fresh page-cache pages first is most of a
+# model folder's write time on some machines (docs/benchmarks.md). O_DIRECT moves whole blocks from an aligned
+# buffer, ALIGN bytes covering both logical block sizes disks use (512 and 4096); the tail goes through the cache.
+DIRECT_MIN = 4 << 20
+ALIGN = 4096
+CHUNK = 8 << 20
 
 
 def _remove_leftovers(path: Path) -> None:
@@ -30,11 +40,11 @@ def write_atomic(path: str | Path, data: str | bytes) -> None:
     _remove_leftovers(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        os.fchmod(fd, 0o666 & ~_UMASK)  # as open() would create it; mkstemp makes it private
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data.encode("utf-8") if isinstance(data, str) else data)
-            fh.flush()
-            os.fsync(fh.fileno())
+        try:
+            os.fchmod(fd, 0o666 & ~_UMASK)  # as open() would create it; mkstemp makes it private
+            _write_synced(fd, data.encode("utf-8") if isinstance(data, str) else data)
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
     except BaseException as e:
         if os.path.exists(tmp):
@@ -42,6 +52,60 @@ def write_atomic(path: str | Path, data: str | bytes) -> None:
         if isinstance(e, OSError) and e.filename is None:  # name the file a full disk refused
             raise OSError(e.errno, e.strerror, str(path)) from None
         raise
+
+
+def _write_synced(fd: int, data: bytes) -> None:
+    """All of `data` into the empty file `fd`, its whole blocks past the page cache when it is large, then fsync."""
+    view = memoryview(data).cast("B")
+    done = _write_direct(fd, view) if view.nbytes >= DIRECT_MIN else 0
+    _write_all(fd, view[done:])
+    os.fsync(fd)
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    while data:
+        data = data[os.write(fd, data) :]
+
+
+def _write_direct(fd: int, data: memoryview) -> int:
+    """Write data's whole ALIGN-byte blocks to `fd` (at offset 0) with O_DIRECT; how many bytes were written: 0
+    where the system or the filesystem refuses O_DIRECT, fewer than the blocks where a write refuses it midway."""
+    whole = data.nbytes - data.nbytes % ALIGN
+    direct = getattr(os, "O_DIRECT", 0)
+    if not whole or not direct:
+        return 0
+    import fcntl
+
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags | direct)
+    except OSError:
+        return 0
+    done = 0
+    try:
+        # mmap's memory is page-aligned; left to be unmapped with its last view (an error's frames may hold one)
+        aligned = memoryview(mmap.mmap(-1, min(CHUNK, whole)))
+        while done < whole:
+            n = min(CHUNK, whole - done)
+            aligned[:n] = data[done : done + n]
+            done += _write_blocks(fd, aligned[:n])
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
+    finally:
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags)
+    os.lseek(fd, done, os.SEEK_SET)
+    return done
+
+
+def _write_blocks(fd: int, blocks: memoryview) -> int:
+    """Write `blocks` with O_DIRECT; a short write that leaves an unaligned offset ends it (EINVAL)."""
+    written = 0
+    while written < blocks.nbytes:
+        written += os.write(fd, blocks[written:])
+        if written % ALIGN:
+            raise OSError(errno.EINVAL, "short O_DIRECT write")
+    return written
 
 
 def write_atomic_fs(fs: Any, path: str, data: bytes) -> None:
