@@ -125,5 +125,13 @@ def expand(model: nnx.Module, trimmed: Trimmed) -> None:
         param_dtype=jnp.float32,
         embedding_init=lambda *_: jnp.asarray(table),
         embedding_metadata=axes("vocab", "embed"),
-        rngs=nnx.Rngs(0),
+        rngs=_NoDraws(),  # type: ignore[arg-type]
     )
+
+
+class _NoDraws:
+    """In place of nnx.Rngs for a module whose initializer ignores its key: nnx.Rngs(0) would draw one, a program
+    of its own to compile at the end of a first run."""
+
+    def params(self) -> None:
+        return None
