@@ -134,9 +134,12 @@ def test_finetune_in_float16_learns_as_float32_does(model_dir, tmp_path):
 
     data = write_table(tmp_path / "train.csv", river_rows(192))
     scores = {}
+    # Compared where both curves have flattened: float16 skips its first updates while the loss scale falls from
+    # 2**16 to one whose gradients are finite (three here, as PyTorch's GradScaler from the same start), so on a
+    # curve still falling fast (12 epochs) it trails float32 by those steps.
     for dtype in ("float32", "float16"):
         out = tmp_path / dtype
-        assert finetune(model_dir, data, out, "--folds", "2", "--fold", "0", "--train.epochs=12",
+        assert finetune(model_dir, data, out, "--folds", "2", "--fold", "0", "--train.epochs=24",
                         f"--train.dtype={dtype}") == 0  # fmt: skip
         scores[dtype] = json.loads((out / "summary.json").read_text())["folds"][0]["score"]
     targets = np.array([r["target"] for r in river_rows(192)])
