@@ -88,7 +88,8 @@ def _write_direct(fd: int, data: memoryview) -> int:
         while done < whole:
             n = min(CHUNK, whole - done)
             aligned[:n] = data[done : done + n]
-            done += _write_blocks(fd, aligned[:n])
+            _write_all(fd, aligned[:n])  # after a short write the kernel refuses an unaligned offset: EINVAL
+            done += n
     except OSError as e:
         if e.errno != errno.EINVAL:
             raise
@@ -96,16 +97,6 @@ def _write_direct(fd: int, data: memoryview) -> int:
         fcntl.fcntl(fd, fcntl.F_SETFL, flags)
     os.lseek(fd, done, os.SEEK_SET)
     return done
-
-
-def _write_blocks(fd: int, blocks: memoryview) -> int:
-    """Write `blocks` with O_DIRECT; a short write that leaves an unaligned offset ends it (EINVAL)."""
-    written = 0
-    while written < blocks.nbytes:
-        written += os.write(fd, blocks[written:])
-        if written % ALIGN:
-            raise OSError(errno.EINVAL, "short O_DIRECT write")
-    return written
 
 
 def write_atomic_fs(fs: Any, path: str, data: bytes) -> None:
