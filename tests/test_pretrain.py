@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -53,7 +54,7 @@ def params_of(run_dir, which="latest", part=""):
     return [np.asarray(x) for x in jax.tree.leaves(nnx.state(model, nnx.Param))]
 
 
-def test_loss_falls_and_the_run_exports(shards, tmp_path, capsys):
+def test_loss_falls_and_the_run_exports(shards, tmp_path, capsys, monkeypatch):
     cfg = config(shards, train={"max_steps": 60}, eval={"every": 20}, checkpoint={"every": 20})
     last = pretrain.main(cfg, str(tmp_path / "run"))
     train = losses(tmp_path / "run")
@@ -63,7 +64,10 @@ def test_loss_falls_and_the_run_exports(shards, tmp_path, capsys):
     assert valid[60] < valid[20] and last["valid_loss"] == valid[60]
     assert 0 < last["valid_accuracy"] < 1 and last["valid_perplexity"] == pytest.approx(np.exp(valid[60]))
 
+    # An export into --out makes no temporary folder elsewhere (a kill -9 would leave it behind).
+    monkeypatch.setattr(tempfile, "TemporaryDirectory", None)
     assert cli(["export", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 0
+    monkeypatch.undo()
     from transformers import AutoModelForMaskedLM
 
     assert AutoModelForMaskedLM.from_pretrained(tmp_path / "hf").config.num_hidden_layers == 2

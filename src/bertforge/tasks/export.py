@@ -8,6 +8,7 @@ the repository itself, several each into fold-K/. Only finished folds go (those 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -96,7 +97,9 @@ def main(cfg: ExportConfig) -> tuple[Path | None, str | None, str]:
     if folds is not None and (cfg.part or cfg.step not in ("latest", "best")):
         option = f"--part {cfg.part}" if cfg.part else f"--step {cfg.step}"
         raise UserError(f"{cfg.run}: {option} is for pretraining runs; a fine-tuning run exports its folds' models")
-    with tempfile.TemporaryDirectory(prefix="bertforge-export-") as tmp:
+    # A temporary folder only for a push without --out: one made anyway outlives an export killed mid-way.
+    scratch = contextlib.nullcontext("") if cfg.out else tempfile.TemporaryDirectory(prefix="bertforge-export-")
+    with scratch as tmp:
         out = Path(cfg.out) if cfg.out else Path(tmp) / (cfg.push_to_hub.split("/")[-1] or "model")
         what = _export_checkpoint(cfg, out) if folds is None else export_folds(folds[0], out, cfg.dtype)
         url = _push(cfg, out, what) if cfg.push_to_hub else None
