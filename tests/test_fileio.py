@@ -151,3 +151,20 @@ def test_write_atomic_names_the_file_a_full_disk_refused_and_leaves_nothing(tmp_
     with pytest.raises(OSError, match="model.safetensors") as e:
         fileio.write_atomic(tmp_path / "model.safetensors", b"x" * 10000)
     assert e.value.errno == errno.ENOSPC and list(tmp_path.iterdir()) == []
+
+
+def test_write_atomic_fs_fsyncs_on_a_local_disk_and_renames_elsewhere(tmp_path, monkeypatch):
+    import fsspec
+
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}")) or real_fsync(fd))
+    for url in (str(tmp_path / "a.bin"), f"file://{tmp_path}/b.bin"):
+        fs, path = fsspec.core.url_to_fs(url)
+        fileio.write_atomic_fs(fs, path, b"shard")
+        assert Path(path).read_bytes() == b"shard"
+    assert [Path(p).parent for p in synced] == [tmp_path, tmp_path]  # the temporary files, before their renames
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.bin", "b.bin"]
+    fs, path = fsspec.core.url_to_fs("memory://bucket/shard.bin")
+    fileio.write_atomic_fs(fs, path, b"remote")
+    assert fs.cat(path) == b"remote" and fs.ls("/bucket", detail=False) == ["/bucket/shard.bin"]

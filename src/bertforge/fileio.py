@@ -100,12 +100,21 @@ def _write_direct(fd: int, data: memoryview) -> int:
 
 
 def write_atomic_fs(fs: Any, path: str, data: bytes) -> None:
-    """Write to a temporary name beside `path` on any fsspec filesystem, then rename it to `path`."""
+    """Write to a temporary name beside `path` on any fsspec filesystem, then rename it to `path`; on a local disk
+    by write_atomic, which also fsyncs it (a rename can otherwise reach the disk before the data it names)."""
+    if "file" in _protocols(fs):
+        write_atomic(path, data)
+        return
     parent, slash, name = path.rpartition("/")
     tmp = f"{parent}{slash}.{name}.tmp"
     with fs.open(tmp, "wb") as fh:
         fh.write(data)
     fs.mv(tmp, path)
+
+
+def _protocols(fs: Any) -> tuple[str, ...]:
+    protocol = getattr(fs, "protocol", ())
+    return (protocol,) if isinstance(protocol, str) else tuple(protocol)
 
 
 def temp_folder_beside(path: Path) -> Path:
