@@ -124,6 +124,25 @@ def test_custom_with_dropout_equals_explicit(window):
     assert np.abs(np.asarray(runs["custom"][0]) - np.asarray(undropped)).max() > 0.1  # the dropout did drop
 
 
+@pytest.mark.parametrize("case", ["padding", "first token", "window", "dropout", "packed rows"])
+def test_custom_without_gradients_equals_its_differentiated_forward(case):
+    # Evaluation and prediction take the primal forward (unnormalised exponentials), training the one whose
+    # probabilities the backward keeps: both must give the same outputs.
+    q, k, v, mask, _ = inputs(1 if case == "first token" else T)
+    if case == "packed rows":
+        seg = jnp.asarray(SEGMENTS)
+        mask = attn.segment_mask(seg)
+    dropout, key = (Dropout(0.3, rngs=nnx.Rngs(dropout=0)), jax.random.key(7)) if case == "dropout" else (None, None)
+    window = WINDOW if case == "window" else None
+    fn = lambda q, k, v: attn.custom_attention(q, k, v, mask, dropout, key, window=window)  # noqa: E731
+    with jax.default_matmul_precision("float32"):
+        alone = jax.jit(fn)(q, k, v)
+        differentiated, _ = jax.vjp(fn, q, k, v)
+    np.testing.assert_allclose(np.asarray(alone), np.asarray(differentiated), atol=1e-6, rtol=1e-6)
+    if case == "padding":  # and both the formula's
+        np.testing.assert_allclose(np.asarray(alone), np.asarray(formula(q, k, v, mask)), atol=1e-5)
+
+
 def dot_operands(jaxpr) -> list[tuple[str, ...]]:
     """The operand dtypes of every dot_general in a jaxpr, those of its nested jaxprs (custom_vjp, pjit) too."""
     found = []

@@ -64,17 +64,23 @@ def band(q_len: int, t_len: int, window: int) -> jax.Array:
     return (jnp.abs(dist) <= window)[None, None]
 
 
-def _attention_forward(q, k, v, bias, key, window, rate, scale):
-    """q (B, Q, N, H), k and v (B, T, N, H), bias broadcastable to (B, N, Q, T) -> output (B, Q, N, H) and what the
-    backward needs. With a dropout `key`, the probabilities are dropped at `rate` by dropout.keep_mask, the mask
-    dropout.Dropout draws from the same key: the numbers of explicit_attention."""
+def _scores(q, k, v, bias, window, scale):
+    """q, k, v as (B, N, *, H) and the attention's scores q k^T * scale + bias, (B, N, Q, T) float32."""
     if window is not None:
         # A key outside the window gets exactly MASK_VALUE, as a padded one: a query with no key left (a padded
         # token far from any real one) then has a uniform softmax over all keys, as in every other implementation.
         bias = jnp.where(band(q.shape[1], k.shape[1], window), bias, MASK_VALUE)
     qt, kt, vt = (row_major(x.transpose(0, 2, 1, 3)) for x in (q, k, v))  # (B, N, *, H)
     logits = jnp.matmul(qt, row_major(kt.swapaxes(-1, -2)), preferred_element_type=jnp.float32)  # (B, N, Q, T)
-    probs = jax.nn.softmax(logits * scale + bias, axis=-1)
+    return qt, kt, vt, logits * scale + bias
+
+
+def _attention_forward(q, k, v, bias, key, window, rate, scale):
+    """q (B, Q, N, H), k and v (B, T, N, H), bias broadcastable to (B, N, Q, T) -> output (B, Q, N, H) and what the
+    backward needs. With a dropout `key`, the probabilities are dropped at `rate` by dropout.keep_mask, the mask
+    dropout.Dropout draws from the same key: the numbers of explicit_attention."""
+    qt, kt, vt, scores = _scores(q, k, v, bias, window, scale)
+    probs = jax.nn.softmax(scores, axis=-1)
     keep = None if key is None else keep_mask(key, rate, probs.shape)  # (B, N, Q, T) bool
     weights = dropped(probs, keep, rate)
     out = jnp.matmul(weights.astype(vt.dtype), vt, preferred_element_type=jnp.float32).astype(v.dtype)  # (B, N, Q, H)
@@ -107,7 +113,20 @@ def attention(
 
 @partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
 def _attention(q, k, v, bias, key, window, rate, scale, bias_shape):
-    return _attention_forward(q, k, v, bias, key, window, rate, scale)[0]
+    return _inference_forward(q, k, v, bias, key, window, rate, scale)
+
+
+def _inference_forward(q, k, v, bias, key, window, rate, scale):
+    """_attention_forward's output where no gradient is taken (evaluation, prediction): the softmax's exponentials
+    left unnormalised and the (B, N, Q, H) output divided by their sums, one pass over the (B, N, Q, T) logits
+    fewer (docs/benchmarks.md). Under differentiation the backward keeps the normalised probabilities: the same
+    form there made a whole training step no faster."""
+    _, _, vt, scores = _scores(q, k, v, bias, window, scale)
+    exps = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))  # (B, N, Q, T)
+    inv = 1.0 / jnp.sum(exps, axis=-1, keepdims=True)  # (B, N, Q, 1)
+    weights = dropped(exps, None if key is None else keep_mask(key, rate, exps.shape), rate)
+    out = jnp.matmul(weights.astype(vt.dtype), vt, preferred_element_type=jnp.float32) * inv  # (B, N, Q, H)
+    return out.astype(v.dtype).transpose(0, 2, 1, 3)
 
 
 def _attention_fwd(q, k, v, bias, key, window, rate, scale, bias_shape):
