@@ -113,14 +113,9 @@ def attention(
 
 @partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
 def _attention(q, k, v, bias, key, window, rate, scale, bias_shape):
-    return _inference_forward(q, k, v, bias, key, window, rate, scale)
-
-
-def _inference_forward(q, k, v, bias, key, window, rate, scale):
-    """_attention_forward's output where no gradient is taken (evaluation, prediction): the softmax's exponentials
-    left unnormalised and the (B, N, Q, H) output divided by their sums, one pass over the (B, N, Q, T) logits
-    fewer (docs/benchmarks.md). Under differentiation the backward keeps the normalised probabilities: the same
-    form there made a whole training step no faster."""
+    """The forward where no gradient is taken (evaluation, predict, embed): the softmax's exponentials stay
+    unnormalised and the (B, N, Q, H) output is divided by their sums, a pass over the (B, N, Q, T) scores fewer
+    (docs/benchmarks.md). Differentiated, _attention_fwd keeps the normalised probabilities for the backward."""
     _, _, vt, scores = _scores(q, k, v, bias, window, scale)
     exps = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))  # (B, N, Q, T)
     inv = 1.0 / jnp.sum(exps, axis=-1, keepdims=True)  # (B, N, Q, 1)
