@@ -1,0 +1,331 @@
+"""How fast a fine-tuning run can be on this CPU in float32: the least arithmetic an exact run of a task must do,
+against the fastest float32 matrix products this machine runs, measured in the same process.
+
+For a task and a results file of the end-to-end benchmarks (finetune_end_to_end.py's CommonLit, or
+embedding_models.py's JSQuAD retrieval), it counts the model FLOPs that any exact run of the same training must
+compute at the least: every text's own tokens, no padding, attention within each text; where the head reads only
+the first token (CommonLit's regression), the last layer's other positions only as keys and values; the
+evaluations' forwards (training counts 3x a forward: the forward, and the backward's two products per product).
+Dividing them by a time (a system's measured wall time, or a target ratio of the baseline's: 0.5x its wall, all of
+it given to arithmetic, none to start-up, compilation or saves) gives the rate of useful arithmetic that time
+means. Beside it, measured in the same process: the rate of a typical step's products if each ran at the faster
+of XLA's and PyTorch's best rates for its shape (the attention's: its batched products, or PyTorch's fused kernel
+if faster), and the fastest float32 square products (1024 to 4096). A run also spends time on norms, softmax,
+activations, the optimizer, start-up and compilation, so a needed rate above the products' cannot be reached on
+this machine in float32 by any implementation whose products run no faster than the faster of the two libraries.
+Also shown: the baseline's arithmetic at its own padding (random batches padded to their longest text, every
+position of every layer; the mean over 20 shuffles), which is what its steps compute.
+
+    .venv/bin/python benchmarks/compute_bound.py --task commonlit --data data/commonlit/train.csv \
+        --folds runs/bench-finetune/commonlit/bertforge-hf-256-seed0/folds.csv \
+        --results benchmarks/results/finetune_commonlit_hf_cold_zen4_1206.json
+    .venv/bin/python benchmarks/compute_bound.py --task jsquad --data data/jglue/jsquad-v1.3/valid-v1.3.json \
+        --results benchmarks/results/jsquad_retrieval_128_frac0.5_zen4_1206.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).parent))
+
+from finetune_end_to_end import _minilm, cpu_model  # noqa: E402
+
+SHUFFLES = 20
+
+
+@dataclass(frozen=True)
+class Shape:
+    d: int  # hidden size
+    f: int  # feed-forward size
+    layers: int
+
+    def macs(self, length: int, first_only: bool = False) -> float:
+        """Multiply-adds of one text's forward at `length` tokens; `first_only`: the last layer's other positions
+        only as keys and values (a head that reads the first token)."""
+        per_token = 4 * self.d * self.d + 2 * self.d * self.f + 2 * length * self.d  # q k v o, MLP, attention
+        if not first_only:
+            return self.layers * length * per_token
+        last = length * 2 * self.d * self.d + (2 * self.d * self.d + 2 * self.d * self.f + 2 * length * self.d)
+        return (self.layers - 1) * length * per_token + last
+
+
+@dataclass(frozen=True)
+class Work:
+    """A run's texts: each training step's texts' lengths (one epoch, in the order of the data), the evaluation's
+    texts' lengths, and how the run uses them."""
+
+    train: list[list[int]]  # per example: its texts' lengths (one text, or a question and its passage)
+    valid: list[int]
+    epochs: int
+    batch: int
+    evaluations: int  # during the run
+    baseline_evaluations: int  # the baseline's: the Trainer evaluates the best checkpoint once more at the end
+    first_only: bool
+
+
+def _lengths(texts: list[str], max_length: int) -> list[int]:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(Path(_minilm()) / "tokenizer.json"))
+    tok.no_truncation()
+    tok.no_padding()
+    return [min(len(e.ids), max_length) for e in tok.encode_batch(texts)]
+
+
+def commonlit_work(data: str, folds: str, max_length: int) -> Work:
+    """CommonLit fold 0 as finetune_end_to_end.py runs it: 3 epochs of batches of 16, two evaluations an epoch."""
+    with open(data, newline="", encoding="utf-8") as fh:
+        texts = [r["excerpt"] for r in csv.DictReader(fh)]
+    with open(folds, newline="", encoding="utf-8") as fh:
+        fold = [int(r["fold"]) for r in csv.DictReader(fh)]
+    lengths = _lengths(texts, max_length)
+    train = [[n] for n, f in zip(lengths, fold, strict=True) if f != 0]
+    valid = [n for n, f in zip(lengths, fold, strict=True) if f == 0]
+    return Work(train, valid, epochs=3, batch=16, evaluations=6, baseline_evaluations=7, first_only=True)
+
+
+def jsquad_work(data: str, max_length: int, fraction: float) -> Work:
+    """embedding_models.py's JSQuAD pairs: 1 epoch of batches of 32 (question, passage) pairs, one evaluation of
+    each evaluation question and each evaluation passage."""
+    from embedding_models import read_csv, split_pairs
+
+    with tempfile.TemporaryDirectory() as tmp:
+        split_pairs(Path(data), Path(tmp), fraction)
+        train, valid = read_csv(Path(tmp) / "train.csv"), read_csv(Path(tmp) / "valid.csv")
+    questions = _lengths([r["question"] for r in train], max_length)
+    passages = _lengths([r["passage"] for r in train], max_length)
+    valid_texts = list(dict.fromkeys([r["question"] for r in valid] + [r["passage"] for r in valid]))
+    pairs = [list(p) for p in zip(questions, passages, strict=True)]
+    valid_lengths = sorted(_lengths(valid_texts, max_length), reverse=True)  # sentence-transformers encodes so
+    return Work(pairs, valid_lengths, epochs=1, batch=32, evaluations=1, baseline_evaluations=1, first_only=False)
+
+
+def least_flops(work: Work, shape: Shape) -> dict[str, float]:
+    """The FLOPs of an exact run with no padding: training (3 forwards' worth) and evaluation."""
+    train = 6 * work.epochs * sum(shape.macs(n, work.first_only) for texts in work.train for n in texts)
+    valid = 2 * work.evaluations * sum(shape.macs(n, work.first_only) for n in work.valid)
+    return {"train": train, "valid": valid, "total": train + valid}
+
+
+def padded_flops(work: Work, shape: Shape, evaluations: int, eval_batch: int = 64) -> float:
+    """The FLOPs of a run whose random batches are padded to their longest text (each column of a pair to its
+    own) and that computes every position in every layer: the mean over shuffles; its evaluations in batches of
+    `eval_batch` in the order of `work.valid`."""
+    rng, per_shuffle = np.random.default_rng(0), []
+    lengths = np.array(work.train)  # (examples, texts)
+    for _ in range(SHUFFLES):
+        total = 0.0
+        order = rng.permutation(len(lengths))
+        for start in range(0, len(order), work.batch):
+            rows = lengths[order[start : start + work.batch]]
+            total += sum(len(rows) * shape.macs(int(col.max())) for col in rows.T)
+        per_shuffle.append(total)
+    train = 6 * work.epochs * statistics.mean(per_shuffle)
+    valid = sum(
+        len(work.valid[i : i + eval_batch]) * shape.macs(max(work.valid[i : i + eval_batch]))
+        for i in range(0, len(work.valid), eval_batch)
+    )
+    return train + 2 * evaluations * valid
+
+
+def _timer(reps: int = 10):
+    """rate(run, flops): GFLOP/s of `run()`, its fastest of `reps` calls after two warm-ups: a ceiling, so the
+    best the machine gave, not a typical call."""
+
+    def rate(run, flops: float) -> float:
+        run(), run()
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - start)
+        return flops / min(times) / 1e9
+
+    return rate
+
+
+def _products(dims: list[tuple[int, int, int, int]]) -> list[tuple[float, float]]:
+    """(XLA's, PyTorch's) best GFLOP/s of each float32 product (batch, m, k, n): (batch, m, k) @ (batch, k, n)."""
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    rate, mul, out, seen = _timer(), jax.jit(jnp.matmul), [], {}
+    warm = torch.randn(1024, 1024)
+    for _ in range(20):  # both libraries' thread pools started before the first timing
+        torch.matmul(warm, warm), mul(jnp.ones((1024, 1024)), jnp.ones((1024, 1024))).block_until_ready()
+    for b, m, k, n in dims:
+        if (b, m, k, n) in seen:  # a shape met before (a dense layer's forward and its input's gradient)
+            out.append(seen[b, m, k, n])
+            continue
+        x, y = jax.random.normal(jax.random.key(0), (b, m, k)), jax.random.normal(jax.random.key(1), (b, k, n))
+        tx, ty = torch.randn(b, m, k), torch.randn(b, k, n)
+        flops = 2.0 * b * m * k * n
+        seen[b, m, k, n] = (rate(lambda x=x, y=y: mul(x, y).block_until_ready(), flops),
+                            rate(lambda tx=tx, ty=ty: torch.matmul(tx, ty), flops))  # fmt: skip
+        out.append(seen[b, m, k, n])
+    return out
+
+
+def square_rates(sizes: tuple[int, ...] = (1024, 2048, 4096)) -> dict[str, float]:
+    """GFLOP/s of a float32 n x n x n product in XLA and in PyTorch."""
+    rates = {}
+    for n, (xla, torch_rate) in zip(sizes, _products([(1, n, n, n) for n in sizes]), strict=True):
+        rates[f"XLA {n}"], rates[f"PyTorch {n}"] = xla, torch_rate
+    return rates
+
+
+def step_products(shape: Shape, rows: int, length: int, heads: int) -> list[tuple[int, int, int, int, int]]:
+    """The products of a training step on `rows` x `length` tokens, as (count, batch, m, k, n): each dense layer's
+    forward, its input's gradient and its weight's gradient; the attention's two products forward and four
+    backward, per head."""
+    t, d, f, h, layers = rows * length, shape.d, shape.f, shape.d // heads, shape.layers
+    dense = [(4, t, d, d), (1, t, d, f), (1, t, f, d)]  # q k v o, MLP in, MLP out: x @ W
+    grads = [(4, t, d, d), (1, t, f, d), (1, t, d, f)]  # g @ W^T
+    weights = [(4, d, t, d), (1, d, t, f), (1, f, t, d)]  # x^T @ g
+    out = [(c * layers, 1, m, k, n) for c, m, k, n in dense + grads + weights]
+    out += [(2 * layers, rows * heads, length, h, length), (4 * layers, rows * heads, length, length, h)]
+    return out
+
+
+def fused_attention_rate(rows: int, length: int, heads: int, h: int) -> float:
+    """GFLOP/s of PyTorch's fused attention (scaled_dot_product_attention), forward and backward, counting the
+    six products' FLOPs of the plain form."""
+    import torch
+
+    q, k, v = (torch.randn(rows, heads, length, h, requires_grad=True) for _ in range(3))
+    grad = torch.randn(rows, heads, length, h)
+
+    def run() -> None:
+        torch.nn.functional.scaled_dot_product_attention(q, k, v).backward(grad)
+
+    return _timer()(run, 6 * 2.0 * rows * heads * length * length * h)
+
+
+def products_rate(shape: Shape, rows: int, length: int, heads: int) -> tuple[float, list[dict]]:
+    """The rate of a training step's products if each dense one ran at the faster of XLA's and PyTorch's rates for
+    its shape (in row-major layout, which either library runs at least as fast as a transposed one), and the
+    attention's at the faster of those products and PyTorch's fused attention: its FLOPs over the sum of their
+    times; and each shape's rates."""
+    products = step_products(shape, rows, length, heads)
+    rates = _products([p[1:] for p in products])
+    flops = [2.0 * c * b * m * k * n for c, b, m, k, n in products]
+    dense = sum(fl / max(r) / 1e9 for fl, r in zip(flops[:-2], rates[:-2], strict=True))
+    attention = sum(fl / max(r) / 1e9 for fl, r in zip(flops[-2:], rates[-2:], strict=True))
+    fused = fused_attention_rate(rows, length, heads, shape.d // heads)
+    shapes = [{"count": p[0], "shape": "x".join(map(str, p[1:])), "xla_gflops": r[0], "torch_gflops": r[1]}
+              for p, r in zip(products, rates, strict=True)]  # fmt: skip
+    shapes.append({"count": shape.layers, "shape": f"fused attention {rows}x{heads}x{length}x{shape.d // heads}",
+                   "xla_gflops": float("nan"), "torch_gflops": fused})  # fmt: skip
+    attention = min(attention, sum(flops[-2:]) / fused / 1e9)
+    return sum(flops) / (dense + attention) / 1e9, shapes
+
+
+def _walls(results: str) -> dict[str, float]:
+    """Each system's mean wall time in a results file of the end-to-end benchmarks."""
+    walls: dict[str, list[float]] = {}
+    for row in json.loads(Path(results).read_text())["rows"]:
+        if "wall_s" in row:
+            walls.setdefault(row["system"], []).append(row["wall_s"])
+    return {system: statistics.mean(w) for system, w in walls.items()}
+
+
+def _rows(work: Work, shape: Shape, walls: dict[str, float], ratio: float) -> tuple[list[dict], dict[str, float]]:
+    """The table's rows: each system's wall time and its useful rate, the baseline's rate at its own padding, and
+    the rate the target leaves; with the FLOP counts."""
+    flops = least_flops(work, shape)
+    bertforge = next(s for s in walls if s.startswith("bertforge"))
+    baseline = next(s for s in walls if not s.startswith("bertforge"))
+    padded = padded_flops(work, shape, work.baseline_evaluations)
+    rows = [{"what": s, "wall_s": w, "tflop": flops["total"] / 1e12} for s, w in walls.items()]
+    rows.append({"what": f"{baseline}, at its padding", "wall_s": walls[baseline], "tflop": padded / 1e12})
+    target = ratio * walls[baseline]
+    rows.append({"what": f"{ratio:g}x the baseline's wall, all of it arithmetic", "wall_s": target,
+                 "tflop": flops["total"] / 1e12})  # fmt: skip
+    for r in rows:
+        r["gflops"] = r["tflop"] * 1e3 / r["wall_s"]
+    counts = {"least_train_tflop": flops["train"] / 1e12, "least_valid_tflop": flops["valid"] / 1e12,
+              "baseline_padded_tflop": padded / 1e12, "bertforge_wall_s": walls[bertforge]}  # fmt: skip
+    return rows, counts
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--task", choices=["commonlit", "jsquad"], required=True)
+    p.add_argument("--data", required=True, help="commonlit: the competition's train.csv; jsquad: valid-v1.3.json")
+    p.add_argument("--folds", help="commonlit: the folds.csv that the end-to-end benchmark's bertforge run wrote")
+    p.add_argument("--results", required=True, help="the end-to-end benchmark's results .json (its wall times)")
+    p.add_argument("--ratio", type=float, default=0.5, help="the target: this fraction of the baseline's wall time")
+    p.add_argument("--max-length", type=int, default=None, help="default: 256 (commonlit), 128 (jsquad)")
+    p.add_argument("--train-fraction", type=float, default=0.5)
+    p.add_argument("--rows", type=int, default=None, help="a step's rows for its products; default 16 / 38")
+    p.add_argument("--length", type=int, default=None, help="their length; default 224 (commonlit) / 128 (jsquad)")
+    p.add_argument("--name", default=None, help="results name; default compute_bound_<task>")
+    args = p.parse_args()
+    if args.task == "commonlit":
+        if not args.folds:
+            p.error("--task commonlit needs --folds")
+        work = commonlit_work(args.data, args.folds, args.max_length or 256)
+    else:
+        work = jsquad_work(args.data, args.max_length or 128, args.train_fraction)
+    config = json.loads((Path(_minilm()) / "config.json").read_text())
+    shape = Shape(config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"])
+    rows, counts = _rows(work, shape, _walls(args.results), args.ratio)
+    # A typical step of bertforge's: CommonLit's median rung; JSQuAD's packed batches.
+    step_rows, length = (
+        args.rows or (16 if args.task == "commonlit" else 38),
+        args.length or (224 if args.task == "commonlit" else 128),
+    )
+    ceiling, shapes = products_rate(shape, step_rows, length, config["num_attention_heads"])
+    counts |= {"step_rows": step_rows, "step_length": length, "products_gflops": ceiling}
+    _report(args, rows, counts, square_rates(), shapes)
+
+
+def _report(args: argparse.Namespace, rows: list[dict], counts: dict, squares: dict[str, float], shapes: list[dict]
+            ) -> None:  # fmt: skip
+    from report import save
+
+    lines = ["| what | wall time | model FLOPs | FLOP/s over the wall time |", "|---|---|---|---|"]
+    lines += [f"| {r['what']} | {r['wall_s']:.0f} s | {r['tflop']:.1f} T | {r['gflops']:.0f} G |" for r in rows]
+    ceiling, step = counts["products_gflops"], f"{counts['step_rows']} x {counts['step_length']}"
+    lines += [f"| a step's products ({step} tokens), each at the faster library's rate (the attention: its products "
+              f"or PyTorch's fused kernel, the faster) | - | - | "
+              f"{ceiling:.0f} G |"]  # fmt: skip
+    lines += [f"| float32 product {n} x {n} x {n}, {who} | - | - | {g:.0f} G |"
+              for key, g in squares.items() for who, n in [key.split()]]  # fmt: skip
+    lines += ["", "| a step's product (batch x m x k x n), times a step | XLA | PyTorch |", "|---|---|---|"]
+    lines += [f"| {s['shape']}, {s['count']} | {s['xla_gflops']:.0f} G | {s['torch_gflops']:.0f} G |" for s in shapes]
+    lines = [line.replace("nan G", "-") for line in lines]
+    needed, best = rows[-1]["gflops"], max(squares.values())
+    lines += ["", f"The least exact work: {counts['least_train_tflop']:.1f} TFLOP of training and "
+              f"{counts['least_valid_tflop']:.1f} of evaluation. {args.ratio:g}x the baseline's wall time needs "
+              f"{needed:.0f} GFLOP/s of it from start to end: {needed / ceiling:.2f}x the rate of a step's products "
+              f"alone, each at the faster library's rate ({ceiling:.0f} GFLOP/s), and "
+              f"{needed / best:.2f}x the fastest square product ({best:.0f})."]  # fmt: skip
+    title = (
+        f"The least arithmetic of the {args.task} benchmark (all-MiniLM-L6-v2, float32) against this machine's "
+        f"float32 products, 2 CPU cores ({cpu_model()}); wall times from {Path(args.results).name}"
+    )
+    bars = [(r["what"][:48], r["gflops"], "tab:blue" if r["what"].startswith("bertforge") else "tab:gray")
+            for r in rows]  # fmt: skip
+    bars[-1] = (bars[-1][0], needed, "tab:red")
+    bars += [(f"a step's products ({step})", ceiling, "tab:green")]
+    bars += [(key, g, "tab:olive") for key, g in squares.items()]
+    save(args.name or f"compute_bound_{args.task}", title, "\n".join(lines), rows + [counts, squares, *shapes],
+         bars, "GFLOP/s: model FLOPs over wall time, and float32 products' rates")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
