@@ -156,33 +156,54 @@ def _timer(reps: int = 10):
     return rate
 
 
-def _products(dims: list[tuple[int, int, int, int]]) -> list[tuple[float, float]]:
-    """(XLA's, PyTorch's) best GFLOP/s of each float32 product (batch, m, k, n): (batch, m, k) @ (batch, k, n)."""
+# How a product's operands may be stored: as multiplied, the second transposed ((batch, n, k): a linear layer's
+# weight in PyTorch, the keys in q @ k^T), the first transposed ((batch, k, m): x^T @ g, p^T @ dO).
+LAYOUTS = {"ab": "bmk,bkn->bmn", "abT": "bmk,bnk->bmn", "aTb": "bkm,bkn->bmn"}
+
+
+def _operands(b: int, m: int, k: int, n: int, layout: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    first = (b, k, m) if layout == "aTb" else (b, m, k)
+    return first, (b, n, k) if layout == "abT" else (b, k, n)
+
+
+def _layout_rates(rate, b: int, m: int, k: int, n: int, layout: str) -> tuple[float, float]:
+    """(XLA's, PyTorch's) GFLOP/s of the product (batch, m, k, n) with its operands stored as `layout` says."""
     import jax
     import jax.numpy as jnp
     import torch
 
-    rate, mul, out, seen = _timer(), jax.jit(jnp.matmul), [], {}
+    first, second = _operands(b, m, k, n, layout)
+    x, y = jax.random.normal(jax.random.key(0), first), jax.random.normal(jax.random.key(1), second)
+    mul = jax.jit(lambda x, y: jnp.einsum(LAYOUTS[layout], x, y))
+    tx, ty = torch.randn(first), torch.randn(second)
+    tx, ty = (tx.transpose(1, 2), ty) if layout == "aTb" else (tx, ty.transpose(1, 2) if layout == "abT" else ty)
+    flops = 2.0 * b * m * k * n
+    return (rate(lambda: mul(x, y).block_until_ready(), flops), rate(lambda: torch.matmul(tx, ty), flops))
+
+
+def _products(dims: list[tuple[int, int, int, int]], layouts: tuple[str, ...] = tuple(LAYOUTS)
+              ) -> list[tuple[float, float]]:  # fmt: skip
+    """(XLA's, PyTorch's) best GFLOP/s of each float32 product (batch, m, k, n), (batch, m, k) @ (batch, k, n),
+    over `layouts` of its operands."""
+    import jax.numpy as jnp
+    import torch
+
+    rate, out, seen = _timer(), [], {}
     warm = torch.randn(1024, 1024)
     for _ in range(20):  # both libraries' thread pools started before the first timing
-        torch.matmul(warm, warm), mul(jnp.ones((1024, 1024)), jnp.ones((1024, 1024))).block_until_ready()
-    for b, m, k, n in dims:
-        if (b, m, k, n) in seen:  # a shape met before (a dense layer's forward and its input's gradient)
-            out.append(seen[b, m, k, n])
-            continue
-        x, y = jax.random.normal(jax.random.key(0), (b, m, k)), jax.random.normal(jax.random.key(1), (b, k, n))
-        tx, ty = torch.randn(b, m, k), torch.randn(b, k, n)
-        flops = 2.0 * b * m * k * n
-        seen[b, m, k, n] = (rate(lambda x=x, y=y: mul(x, y).block_until_ready(), flops),
-                            rate(lambda tx=tx, ty=ty: torch.matmul(tx, ty), flops))  # fmt: skip
-        out.append(seen[b, m, k, n])
+        torch.matmul(warm, warm), (jnp.ones((1024, 1024)) @ jnp.ones((1024, 1024))).block_until_ready()
+    for dim in dims:
+        if dim not in seen:  # a shape met before (a dense layer's forward and its input's gradient)
+            rates = [_layout_rates(rate, *dim, layout) for layout in layouts]
+            seen[dim] = (max(r[0] for r in rates), max(r[1] for r in rates))
+        out.append(seen[dim])
     return out
 
 
 def square_rates(sizes: tuple[int, ...] = (1024, 2048, 4096)) -> dict[str, float]:
     """GFLOP/s of a float32 n x n x n product in XLA and in PyTorch."""
     rates = {}
-    for n, (xla, torch_rate) in zip(sizes, _products([(1, n, n, n) for n in sizes]), strict=True):
+    for n, (xla, torch_rate) in zip(sizes, _products([(1, n, n, n) for n in sizes], ("ab",)), strict=True):
         rates[f"XLA {n}"], rates[f"PyTorch {n}"] = xla, torch_rate
     return rates
 
@@ -215,10 +236,9 @@ def fused_attention_rate(rows: int, length: int, heads: int, h: int) -> float:
 
 
 def products_rate(shape: Shape, rows: int, length: int, heads: int) -> tuple[float, list[dict]]:
-    """The rate of a training step's products if each dense one ran at the faster of XLA's and PyTorch's rates for
-    its shape (in row-major layout, which either library runs at least as fast as a transposed one), and the
-    attention's at the faster of those products and PyTorch's fused attention: its FLOPs over the sum of their
-    times; and each shape's rates."""
+    """The rate of a training step's products if each ran at the fastest rate XLA or PyTorch reach for its shape in
+    any of its layouts, the attention's at that or at PyTorch's fused attention's, the faster: its FLOPs over the
+    sum of their times; and each shape's rates."""
     products = step_products(shape, rows, length, heads)
     rates = _products([p[1:] for p in products])
     flops = [2.0 * c * b * m * k * n for c, b, m, k, n in products]
