@@ -63,7 +63,7 @@ class Shape:
 
 @dataclass(frozen=True)
 class Work:
-    """A run's texts: each training step's texts' lengths (one epoch, in the order of the data), the evaluation's
+    """A run's texts: each training example's texts' lengths (one epoch, in the data's order), the evaluation's
     texts' lengths, and how the run uses them."""
 
     train: list[list[int]]  # per example: its texts' lengths (one text, or a question and its passage)
@@ -108,7 +108,8 @@ def jsquad_work(data: str, max_length: int, fraction: float) -> Work:
     passages = _lengths([r["passage"] for r in train], max_length)
     valid_texts = list(dict.fromkeys([r["question"] for r in valid] + [r["passage"] for r in valid]))
     pairs = [list(p) for p in zip(questions, passages, strict=True)]
-    valid_lengths = sorted(_lengths(valid_texts, max_length), reverse=True)  # sentence-transformers encodes so
+    # Longest first, the order in which sentence-transformers encodes them.
+    valid_lengths = sorted(_lengths(valid_texts, max_length), reverse=True)
     return Work(pairs, valid_lengths, epochs=1, batch=32, evaluations=1, baseline_evaluations=1, first_only=False)
 
 
