@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import json
 import statistics
 import sys
@@ -42,23 +43,22 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from finetune_end_to_end import _minilm, cpu_model  # noqa: E402
 
+from bertforge.model.architectures import config_from_hf  # noqa: E402
+from bertforge.model.config import ModelConfig  # noqa: E402
+from bertforge.train.flops import train_flops_per_token  # noqa: E402
+
 SHUFFLES = 20
 
 
-@dataclass(frozen=True)
-class Shape:
-    d: int  # hidden size
-    f: int  # feed-forward size
-    layers: int
-
-    def macs(self, length: int, first_only: bool = False) -> float:
-        """Multiply-adds of one text's forward at `length` tokens; `first_only`: the last layer's other positions
-        only as keys and values (a head that reads the first token)."""
-        per_token = 4 * self.d * self.d + 2 * self.d * self.f + 2 * length * self.d  # q k v o, MLP, attention
-        if not first_only:
-            return self.layers * length * per_token
-        last = length * 2 * self.d * self.d + (2 * self.d * self.d + 2 * self.d * self.f + 2 * length * self.d)
-        return (self.layers - 1) * length * per_token + last
+def macs(cfg: ModelConfig, length: int, first_only: bool = False) -> float:
+    """Multiply-adds of one text's forward at `length` tokens, from bertforge's count of training FLOPs (6 per
+    multiply-add of the forward); `first_only`: the last layer's other positions only as keys and values (a head
+    that reads the first token), without their queries, outputs, MLP and attention."""
+    full = length * train_flops_per_token(cfg, length, predicted_fraction=0.0) / 6
+    if not first_only:
+        return full
+    d, f = cfg.hidden_size, cfg.intermediate_size
+    return full - (length - 1) * (2 * d * d + 2 * d * f + 2 * length * d)
 
 
 @dataclass(frozen=True)
@@ -75,13 +75,18 @@ class Work:
     first_only: bool
 
 
-def _lengths(texts: list[str], max_length: int) -> list[int]:
+@functools.cache
+def _tokenizer():
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(Path(_minilm()) / "tokenizer.json"))
     tok.no_truncation()
     tok.no_padding()
-    return [min(len(e.ids), max_length) for e in tok.encode_batch(texts)]
+    return tok
+
+
+def _lengths(texts: list[str], max_length: int) -> list[int]:
+    return [min(len(e.ids), max_length) for e in _tokenizer().encode_batch(texts)]
 
 
 def commonlit_work(data: str, folds: str, max_length: int) -> Work:
@@ -113,14 +118,14 @@ def jsquad_work(data: str, max_length: int, fraction: float) -> Work:
     return Work(pairs, valid_lengths, epochs=1, batch=32, evaluations=1, baseline_evaluations=1, first_only=False)
 
 
-def least_flops(work: Work, shape: Shape) -> dict[str, float]:
+def least_flops(work: Work, cfg: ModelConfig) -> dict[str, float]:
     """The FLOPs of an exact run with no padding: training (3 forwards' worth) and evaluation."""
-    train = 6 * work.epochs * sum(shape.macs(n, work.first_only) for texts in work.train for n in texts)
-    valid = 2 * work.evaluations * sum(shape.macs(n, work.first_only) for n in work.valid)
+    train = 6 * work.epochs * sum(macs(cfg, n, work.first_only) for texts in work.train for n in texts)
+    valid = 2 * work.evaluations * sum(macs(cfg, n, work.first_only) for n in work.valid)
     return {"train": train, "valid": valid, "total": train + valid}
 
 
-def padded_flops(work: Work, shape: Shape, evaluations: int, eval_batch: int = 64) -> float:
+def padded_flops(work: Work, cfg: ModelConfig, evaluations: int, eval_batch: int = 64) -> float:
     """The FLOPs of a run whose random batches are padded to their longest text (each column of a pair to its
     own) and that computes every position in every layer: the mean over shuffles; its evaluations in batches of
     `eval_batch` in the order of `work.valid`."""
@@ -131,11 +136,11 @@ def padded_flops(work: Work, shape: Shape, evaluations: int, eval_batch: int = 6
         order = rng.permutation(len(lengths))
         for start in range(0, len(order), work.batch):
             rows = lengths[order[start : start + work.batch]]
-            total += sum(len(rows) * shape.macs(int(col.max())) for col in rows.T)
+            total += sum(len(rows) * macs(cfg, int(col.max())) for col in rows.T)
         per_shuffle.append(total)
     train = 6 * work.epochs * statistics.mean(per_shuffle)
     valid = sum(
-        len(work.valid[i : i + eval_batch]) * shape.macs(max(work.valid[i : i + eval_batch]))
+        len(work.valid[i : i + eval_batch]) * macs(cfg, max(work.valid[i : i + eval_batch]))
         for i in range(0, len(work.valid), eval_batch)
     )
     return train + 2 * evaluations * valid
@@ -209,11 +214,12 @@ def square_rates(sizes: tuple[int, ...] = (1024, 2048, 4096)) -> dict[str, float
     return rates
 
 
-def step_products(shape: Shape, rows: int, length: int, heads: int) -> list[tuple[int, int, int, int, int]]:
+def step_products(cfg: ModelConfig, rows: int, length: int) -> list[tuple[int, int, int, int, int]]:
     """The products of a training step on `rows` x `length` tokens, as (count, batch, m, k, n): each dense layer's
     forward, its input's gradient and its weight's gradient; the attention's two products forward and four
     backward, per head."""
-    t, d, f, h, layers = rows * length, shape.d, shape.f, shape.d // heads, shape.layers
+    t, d, f, heads, layers = rows * length, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_layers
+    h = d // heads
     dense = [(4, t, d, d), (1, t, d, f), (1, t, f, d)]  # q k v o, MLP in, MLP out: x @ W
     grads = [(4, t, d, d), (1, t, f, d), (1, t, d, f)]  # g @ W^T
     weights = [(4, d, t, d), (1, d, t, f), (1, f, t, d)]  # x^T @ g
@@ -236,19 +242,20 @@ def fused_attention_rate(rows: int, length: int, heads: int, h: int) -> float:
     return _timer()(run, 6 * 2.0 * rows * heads * length * length * h)
 
 
-def products_rate(shape: Shape, rows: int, length: int, heads: int) -> tuple[float, list[dict]]:
+def products_rate(cfg: ModelConfig, rows: int, length: int) -> tuple[float, list[dict]]:
     """The rate of a training step's products if each ran at the fastest rate XLA or PyTorch reach for its shape in
     any of its layouts, the attention's at that or at PyTorch's fused attention's, the faster: its FLOPs over the
     sum of their times; and each shape's rates."""
-    products = step_products(shape, rows, length, heads)
+    products = step_products(cfg, rows, length)
+    heads, h = cfg.num_heads, cfg.hidden_size // cfg.num_heads
     rates = _products([p[1:] for p in products])
     flops = [2.0 * c * b * m * k * n for c, b, m, k, n in products]
     dense = sum(fl / max(r) / 1e9 for fl, r in zip(flops[:-2], rates[:-2], strict=True))
     attention = sum(fl / max(r) / 1e9 for fl, r in zip(flops[-2:], rates[-2:], strict=True))
-    fused = fused_attention_rate(rows, length, heads, shape.d // heads)
+    fused = fused_attention_rate(rows, length, heads, h)
     shapes = [{"count": p[0], "shape": "x".join(map(str, p[1:])), "xla_gflops": r[0], "torch_gflops": r[1]}
               for p, r in zip(products, rates, strict=True)]  # fmt: skip
-    shapes.append({"count": shape.layers, "shape": f"fused attention {rows}x{heads}x{length}x{shape.d // heads}",
+    shapes.append({"count": cfg.num_layers, "shape": f"fused attention {rows}x{heads}x{length}x{h}",
                    "xla_gflops": float("nan"), "torch_gflops": fused})  # fmt: skip
     attention = min(attention, sum(flops[-2:]) / fused / 1e9)
     return sum(flops) / (dense + attention) / 1e9, shapes
@@ -263,13 +270,13 @@ def _walls(results: str) -> dict[str, float]:
     return {system: statistics.mean(w) for system, w in walls.items()}
 
 
-def _rows(work: Work, shape: Shape, walls: dict[str, float], ratio: float) -> tuple[list[dict], dict[str, float]]:
+def _rows(work: Work, cfg: ModelConfig, walls: dict[str, float], ratio: float) -> tuple[list[dict], dict[str, float]]:
     """The table's rows: each system's wall time and its useful rate, the baseline's rate at its own padding, and
     the rate the target leaves; with the FLOP counts."""
-    flops = least_flops(work, shape)
+    flops = least_flops(work, cfg)
     bertforge = next(s for s in walls if s.startswith("bertforge"))
     baseline = next(s for s in walls if not s.startswith("bertforge"))
-    padded = padded_flops(work, shape, work.baseline_evaluations)
+    padded = padded_flops(work, cfg, work.baseline_evaluations)
     rows = [{"what": s, "wall_s": w, "tflop": flops["total"] / 1e12} for s, w in walls.items()]
     rows.append({"what": f"{baseline}, at its padding", "wall_s": walls[baseline], "tflop": padded / 1e12})
     target = ratio * walls[baseline]
@@ -301,15 +308,15 @@ def main() -> None:
         work = commonlit_work(args.data, args.folds, args.max_length or 256)
     else:
         work = jsquad_work(args.data, args.max_length or 128, args.train_fraction)
-    config = json.loads((Path(_minilm()) / "config.json").read_text())
-    shape = Shape(config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"])
-    rows, counts = _rows(work, shape, _walls(args.results), args.ratio)
+    config = Path(_minilm()) / "config.json"
+    cfg, _ = config_from_hf(json.loads(config.read_text()), str(config))
+    rows, counts = _rows(work, cfg, _walls(args.results), args.ratio)
     # A typical step of bertforge's: CommonLit's median rung; JSQuAD's packed batches.
     step_rows, length = (
         args.rows or (16 if args.task == "commonlit" else 38),
         args.length or (224 if args.task == "commonlit" else 128),
     )
-    ceiling, shapes = products_rate(shape, step_rows, length, config["num_attention_heads"])
+    ceiling, shapes = products_rate(cfg, step_rows, length)
     counts |= {"step_rows": step_rows, "step_length": length, "products_gflops": ceiling}
     _report(args, rows, counts, square_rates(), shapes)
 
