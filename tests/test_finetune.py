@@ -501,6 +501,26 @@ def test_regression_learns_a_learnable_target_and_writes_its_outputs(model_dir, 
     assert not (out / "fold-0" / "checkpoints").exists()
 
 
+@pytest.mark.parametrize("pack", ["true", "false"])
+def test_the_log_counts_the_tokens_of_the_texts_each_window_trained_on(model_dir, tmp_path, pack):
+    """tokens_per_s x step_time x the window's steps gives the tokens of the texts it trained on, padding left out:
+    over one epoch in one window, every training text's once, as transformers' tokenizer counts them."""
+    from transformers import AutoTokenizer
+
+    rows = river_rows(48, seed=6)
+    train, valid = write_table(tmp_path / "train.csv", rows), write_table(tmp_path / "valid.csv", river_rows(16, 7))
+    out = tmp_path / "run"
+    extra = ("--valid-data", str(valid), "--train.epochs=1", "--log.every=3", "--max-length=32", f"--data.pack={pack}")
+    assert finetune(model_dir, train, out, *extra) == 0
+    lines = [json.loads(line) for line in (out / "fold-0" / "metrics.jsonl").read_text().splitlines()]
+    windows = [line for line in lines if "tokens_per_s" in line]
+    assert [line["step"] for line in windows] == [3], lines
+    encoded = AutoTokenizer.from_pretrained(str(model_dir))([r["text"] for r in rows], truncation=True, max_length=32)
+    expected = sum(len(ids) for ids in encoded["input_ids"])
+    assert expected > 48 * 32 // 2  # most texts are long: padding would show
+    assert windows[0]["tokens_per_s"] * windows[0]["step_time"] * 3 == pytest.approx(expected, rel=1e-9)
+
+
 def compiled_programs(caplog, *args: str) -> list[str]:
     """The names of the programs a finetune run with `args` compiled, in order."""
     caplog.clear()

@@ -127,7 +127,7 @@ def test_a_finetune_run_on_the_used_rows_is_the_run_over_the_whole_table(model_d
         np.testing.assert_allclose(used[name], whole[name], rtol=1e-5, atol=1e-7, err_msg=name)
     logs = [[json.loads(line) for line in (tmp_path / r / "fold-0" / "metrics.jsonl").read_text().splitlines()]
             for r in ("used", "whole")]  # fmt: skip
-    clocks = ("step_time", "batch_time", "eval_seconds", "elapsed")
+    clocks = ("step_time", "batch_time", "tokens_per_s", "eval_seconds", "elapsed")
     numbers = [[{k: v for k, v in r.items() if k not in clocks} for r in log] for log in logs]
     assert len(numbers[0]) == len(numbers[1]) > 3
     for a, b in zip(*numbers, strict=True):

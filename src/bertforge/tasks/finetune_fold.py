@@ -263,12 +263,20 @@ def _train(job: Job, fold: Fold, state: TrainState, checkpoints: Checkpoints, st
     valid_lengths = np.array([tokens_of(e) for e in fold.eval_encs])
     compile_ahead(job, state, key, fold.lengths, valid_lengths, start_step, fold.steps)
     batches = _training_batches(job, fold, start_step)
+    counted: list[int] = []  # the last batch's text tokens, for the throughput the log shows
+
+    def next_batch(_progress: float) -> dict[str, jax.Array]:
+        batch, tokens = next(batches)
+        counted.append(tokens)
+        return batch
+
     save = functools.partial(_save, job, fold, checkpoints, evaluations)
     try:
         state, _, _ = loop.run(
             state,
             lambda s, b, lr: job.step_jit(s, b, jnp.float32(lr), key),
-            next_batch=lambda _progress: next(batches),
+            next_batch=next_batch,
+            tokens_in=lambda _batch: counted.pop(),
             lr_at=lambda p: learning_rate(job.optim, p, warmup),
             budget=loop.Budget(max_steps=fold.steps),
             log=lambda step, values: log.record(
@@ -325,21 +333,21 @@ def _describe(job: Job, fold: Fold, start_step: int) -> str:
     )
 
 
-def _training_batches(job: Job, fold: Fold, first_step: int) -> Iterator[dict[str, jax.Array]]:
+def _training_batches(job: Job, fold: Fold, first_step: int) -> Iterator[tuple[dict[str, jax.Array], int]]:
     """The fold's training batches from step `first_step` on, epoch after epoch, each padded to its length, or
     packed: then batches of about equal tokens (nothing to save by sorting by length; the one shape holds the
-    fullest step)."""
+    fullest step); each with the number of its texts' tokens (padding left out)."""
     size, seed = job.train.batch_size, job.train.seed
     epoch, skip = divmod(first_step, fold.per_epoch)
     while True:
         if job.pack is not None:
             for local in balanced_batches(fold.sizes, size, seed, epoch, job.pool)[skip:]:
-                yield job_step_batch(job, fold.train_rows[local])
+                yield job_step_batch(job, fold.train_rows[local]), int(fold.sizes[local].sum())
         else:
             for local in epoch_batches(fold.lengths, size, job.bucket, seed, epoch, job.pool)[skip:]:
                 length = padded_length(int(fold.lengths[local].max()), job.limit, job.bucket, job.rungs)
                 batch = _batch(job, fold.train_rows[local], length)
-                yield {k: global_array(v, job.mesh) for k, v in batch.items()}
+                yield {k: global_array(v, job.mesh) for k, v in batch.items()}, int(fold.sizes[local].sum())
         epoch, skip = epoch + 1, 0
 
 
