@@ -184,19 +184,21 @@ def _union_us(spans: list[tuple[float, float]]) -> float:
 
 def per_execution(runs: dict[str, list[dict]], ends: dict[str, list[float]], ops: dict[str, dict]) -> tuple:
     """-> ({operation: median ms of its events per execution}, the executions' median wall, busy and summed ms,
-    the products XLA dispatches asynchronously: unfused dots whose `end:` event comes later after their event
-    than the event lasts (a fusion's end also waits behind other work, but its event holds its work))."""
+    the products XLA dispatches asynchronously: unfused dots whose `end:` event, before the next execution starts,
+    comes later after their event than the event lasts (a fusion's end also waits behind other work, but its
+    event holds its work))."""
     all_runs = list(runs.values())
-    kept = all_runs[SKIPPED:] if len(all_runs) > SKIPPED else all_runs
+    starts = [min(e["ts"] for e in events) for events in all_runs[1:]] + [math.inf]
+    first = SKIPPED if len(all_runs) > SKIPPED else 0
     late: dict[str, list[float]] = collections.defaultdict(list)
     times: dict[str, list[float]] = collections.defaultdict(list)
     walls, busy, summed = [], [], []
-    for events in kept:
+    for events, until in zip(all_runs[first:], starts[first:], strict=True):
         per_run: dict[str, float] = collections.Counter()
         for e in events:
             name, stop = e["args"]["hlo_op"], e["ts"] + e["dur"]
             per_run[name] += e["dur"] / 1e3
-            later = ends.get(name, [])[bisect.bisect_left(ends.get(name, []), stop) :][:1]
+            later = [t for t in ends.get(name, [])[bisect.bisect_left(ends.get(name, []), stop) :][:1] if t < until]
             late[name].append((later[0] - stop) / 1e3 if later else 0.0)
         for name, ms in per_run.items():
             times[name].append(ms)
@@ -204,10 +206,11 @@ def per_execution(runs: dict[str, list[dict]], ends: dict[str, list[float]], ops
         walls.append((max(b for _, b in spans) - min(a for a, _ in spans)) / 1e3)
         busy.append(_union_us(spans) / 1e3)
         summed.append(sum(per_run.values()))
-    medians = {name: statistics.median(ms + [0.0] * (len(kept) - len(ms))) for name, ms in times.items()}
+    kept = len(walls)
+    medians = {name: statistics.median(ms + [0.0] * (kept - len(ms))) for name, ms in times.items()}
     unfused = {name for name, op in ops.items() if op["flops"] and not op["fused"]}
     asynchronous = {name for name in unfused & set(late) if statistics.median(late[name]) > medians[name]}
-    window = {"executions": len(kept), "wall_ms": statistics.median(walls), "busy_ms": statistics.median(busy),
+    window = {"executions": kept, "wall_ms": statistics.median(walls), "busy_ms": statistics.median(busy),
               "summed_ms": statistics.median(summed)}  # fmt: skip
     return medians, window, asynchronous
 
