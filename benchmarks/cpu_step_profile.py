@@ -20,8 +20,6 @@ import argparse
 import bisect
 import collections
 import glob
-import gzip
-import json
 import math
 import os
 import re
@@ -35,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from finetune_end_to_end import cpu_model  # noqa: E402
 from report import save  # noqa: E402
+from step_kernels import busy_us, load_trace  # noqa: E402
 
 # The child does what the `bertforge` entry point does (the allocator's re-run, XLA's options, the collector), with
 # the profiler on around the command; XLA's operation events need host tracer level 3.
@@ -156,11 +155,10 @@ def kind_of(name: str, op: dict, asynchronous: bool) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------- the trace
-def executions(trace: Path, module: str) -> tuple[dict[str, list[dict]], dict[str, list[float]]]:
+def executions(trace: dict | list, module: str) -> tuple[dict[str, list[dict]], dict[str, list[float]]]:
     """The trace's operation events of `module` by execution (XLA's run id), in the order they ran, and the times
     at which asynchronous operations ended (XLA's `end: <operation>` events), by operation."""
-    with gzip.open(trace, "rt") as fh:
-        events = json.load(fh)["traceEvents"]
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
     runs: dict[str, list[dict]] = collections.defaultdict(list)
     ends: dict[str, list[float]] = collections.defaultdict(list)
     for e in events:
@@ -171,15 +169,6 @@ def executions(trace: Path, module: str) -> tuple[dict[str, list[dict]], dict[st
             ends[e["name"][5:]].append(e["ts"])
     ordered = dict(sorted(runs.items(), key=lambda kv: min(e["ts"] for e in kv[1])))
     return ordered, {name: sorted(ts) for name, ts in ends.items()}
-
-
-def _union_us(spans: list[tuple[float, float]]) -> float:
-    total, end = 0.0, -math.inf
-    for start, stop in sorted(spans):
-        if stop > end:
-            total += stop - max(start, end)
-            end = stop
-    return total
 
 
 def per_execution(runs: dict[str, list[dict]], ends: dict[str, list[float]], ops: dict[str, dict]) -> tuple:
@@ -198,13 +187,14 @@ def per_execution(runs: dict[str, list[dict]], ends: dict[str, list[float]], ops
         for e in events:
             name, stop = e["args"]["hlo_op"], e["ts"] + e["dur"]
             per_run[name] += e["dur"] / 1e3
-            later = [t for t in ends.get(name, [])[bisect.bisect_left(ends.get(name, []), stop) :][:1] if t < until]
-            late[name].append((later[0] - stop) / 1e3 if later else 0.0)
+            done = ends.get(name, [])
+            i = bisect.bisect_left(done, stop)
+            late[name].append((done[i] - stop) / 1e3 if i < len(done) and done[i] < until else 0.0)
         for name, ms in per_run.items():
             times[name].append(ms)
         spans = [(e["ts"], e["ts"] + e["dur"]) for e in events]
         walls.append((max(b for _, b in spans) - min(a for a, _ in spans)) / 1e3)
-        busy.append(_union_us(spans) / 1e3)
+        busy.append(busy_us(events) / 1e3)
         summed.append(sum(per_run.values()))
     kept = len(walls)
     medians = {name: statistics.median(ms + [0.0] * (kept - len(ms))) for name, ms in times.items()}
@@ -283,7 +273,7 @@ def main() -> None:
         if trace is None:
             trace, hlo = run_profiled(command, args.module, work)
         ops = operations(hlo.read_text())
-        runs, ends = executions(trace, args.module)
+        runs, ends = executions(load_trace(trace.parent), args.module)
     if not runs:
         raise SystemExit(f"the trace has no operation of {args.module}")
     medians, window, asynchronous = per_execution(runs, ends, ops)
