@@ -41,6 +41,7 @@ from bertforge.model import sentence_folder, used_rows
 from bertforge.model.hf import Pretrained, save_pretrained
 from bertforge.runtime.devices import fetch, global_array
 from bertforge.tasks.fold_eval import Evaluations, eval_batch, rank, scores
+from bertforge.tasks.fold_steps import checkpoint_hook, evaluation_hook, fold_steps
 from bertforge.tasks.model_outputs import INPUTS
 from bertforge.tasks.packed_batches import WHOLE, job_step_batch, packed_ahead, shapes_line
 from bertforge.train import loop
@@ -226,7 +227,9 @@ def _plan(job: Job, fold: int, fold_dir: Path, train_rows: np.ndarray, valid_row
           elapsed: float) -> Fold:  # fmt: skip
     """The fold's validation rows and its steps: train.epochs over the training rows, evaluated
     train.evals_per_epoch times an epoch."""
-    per_epoch = math.ceil(len(train_rows) / job.train.batch_size)
+    per_epoch, steps, every = fold_steps(
+        len(train_rows), job.train.batch_size, job.train.epochs, job.train.evals_per_epoch
+    )
     valid = job.valid_table or job.table
     records = np.unique(record_of(valid)[valid_rows])
     valid_encs = [(job.valid_encs or job.encs)[i] for i in valid_rows]
@@ -244,8 +247,8 @@ def _plan(job: Job, fold: int, fold_dir: Path, train_rows: np.ndarray, valid_row
         valid_records=records,
         valid_targets=records_of(valid).targets[records],
         per_epoch=per_epoch,
-        steps=max(1, round(job.train.epochs * per_epoch)),
-        every=max(1, per_epoch // job.train.evals_per_epoch),
+        steps=steps,
+        every=every,
         started=started,
         elapsed=elapsed,
     )
@@ -284,12 +287,8 @@ def _train(job: Job, fold: Fold, state: TrainState, checkpoints: Checkpoints, st
             ),
             log_every=job.log.every,
             start_step=start_step,
-            # Counted back from the last step, so that the last evaluation is of the final model, with none just
-            # before it (a few steps earlier) to pay for.
-            evaluate=loop.Every(fold.every, evaluations.evaluate, offset=fold.steps % fold.every),
-            # The final state is written out as the fold's model, not as a checkpoint: a run stopped before that
-            # continues from the last checkpoint and repeats the same steps.
-            checkpoint=loop.Every(fold.every, save, offset=fold.steps % fold.every, last=False),
+            evaluate=evaluation_hook(fold.steps, fold.every, evaluations.evaluate),
+            checkpoint=checkpoint_hook(fold.steps, fold.every, save),
             preemptible=True,
         )
         checkpoints.wait()

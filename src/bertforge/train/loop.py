@@ -285,6 +285,21 @@ def _due_at_end(e: Every, step: int, start_step: int, checkpoint: Every | None) 
     return e.at_end and e.last and not e.due(step) and (e is not checkpoint or step != start_step)
 
 
+def fires(evaluate: Every | None, checkpoint: Every | None, last: int) -> tuple[list[int], list[int]]:
+    """The steps after which `evaluate` and `checkpoint` run in an unbroken run of `last` steps from step 0, by the
+    rules `run` follows (no stop signal): (evaluation steps, checkpoint steps)."""
+    out: tuple[list[int], list[int]] = ([], [])
+    for step in range(1, last + 1):
+        due = functools.partial(_due, step=step, last=step == last)
+        for hook, steps in zip((evaluate, checkpoint), out, strict=True):
+            if hook is not None and due(hook):
+                steps.append(step)
+    for hook, steps in zip((evaluate, checkpoint), out, strict=True):
+        if hook is not None and _due_at_end(hook, last, 0, checkpoint):
+            steps.append(last)
+    return out
+
+
 def _run_due(
     step: int,
     state: Any,
