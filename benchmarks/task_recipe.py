@@ -1,5 +1,7 @@
 """What the task benchmarks (token_classification.py, questions_and_choices.py) share: bertforge's command and its
-times, the Trainer's arguments and logging, the worker process, and the loop over seeds that saves rows."""
+times, the Trainer's arguments, run and logging (the same work as bertforge's: same_work.py), the worker process in
+bertforge's environment, the loop over seeds in alternating order that saves rows, and their lines in the results
+index."""
 
 from __future__ import annotations
 
@@ -7,11 +9,16 @@ import argparse
 import functools
 import json
 import shutil
+import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+import results_index
+import same_work
 
 WARMUP, WEIGHT_DECAY, EVAL_BATCH = 0.1, 0.01, 64
 
@@ -30,12 +37,32 @@ def bertforge_command(args: argparse.Namespace, task: str, train: Path, valid: P
     return cmd + (["--train.dtype=bfloat16"] if args.bf16 else [])
 
 
-def run_bertforge(cmd: list[str], out: Path) -> tuple[dict, dict]:
-    """Run `cmd`; its summary.json and its times: wall, training steps (every logged window's mean step time,
-    evaluations excluded, times its steps) and evaluations, with fold 0's steps and rows."""
+def add_options(p: argparse.ArgumentParser) -> None:
+    """The options every task benchmark takes: its references and a first run's compile cache."""
+    p.add_argument(
+        "--references",
+        nargs="+",
+        choices=["shipped", "tuned"],
+        default=["shipped", "tuned"],
+        help="the Trainer as shipped (random batches) and tuned (group_by_length): one run of each",
+    )
+    p.add_argument("--reference", choices=["shipped", "tuned"], default="tuned", help=argparse.SUPPRESS)
+    p.add_argument("--cold-cache", action="store_true",
+                   help="bertforge with an empty compile cache each run (a first run)")  # fmt: skip
+
+
+def run_bertforge(cmd: list[str], out: Path, cold: bool = False) -> tuple[dict, dict]:
+    """Run `cmd` (`cold`: with an empty compile cache of its own); its summary.json and its times: wall, training
+    steps (every logged window's mean step time, evaluations excluded, times its steps) and evaluations, with fold
+    0's steps and rows."""
     print(" ".join(cmd), flush=True)
+    env = same_work.environment()
+    if cold:
+        cache = out.parent / f"{out.name}-compile-cache"
+        shutil.rmtree(cache, ignore_errors=True)
+        env["BERTFORGE_COMPILE_CACHE"] = str(cache)
     start = time.perf_counter()
-    subprocess.run(cmd, check=True)
+    subprocess.run(cmd, check=True, env=env)
     wall = time.perf_counter() - start
     summary = json.loads((out / "summary.json").read_text())
     records = [json.loads(line) for line in (out / "fold-0" / "metrics.jsonl").read_text().splitlines()]
@@ -47,27 +74,29 @@ def run_bertforge(cmd: list[str], out: Path) -> tuple[dict, dict]:
     fold = summary["folds"][0]
     times = {"wall_s": wall, "steps_s": steps_s, "eval_s": sum(r.get("eval_seconds", 0.0) for r in records),
              "best_step": fold["best_step"], "steps": fold["steps"], "train_rows": fold["train_rows"],
-             "valid_rows": fold["valid_rows"]}  # fmt: skip
+             "valid_rows": fold["valid_rows"], "evaluations": [r["step"] for r in records if "eval_seconds" in r],
+             "variant": "bf16" if "--train.dtype=bfloat16" in cmd else "float32"}  # fmt: skip
     return summary, times
 
 
 def run_worker(cmd: list[str], out: Path) -> dict:
-    """Run a Trainer worker `cmd`; its result.json with the process's wall time."""
+    """Run a Trainer worker `cmd` in the environment bertforge's process gets; its result.json with the process's
+    wall time."""
     start = time.perf_counter()
-    subprocess.run(cmd, check=True)
+    subprocess.run(cmd, check=True, env=same_work.environment())
     wall = time.perf_counter() - start
     return {**json.loads((out / "result.json").read_text()), "wall_s": wall}
 
 
-def training_args(args: argparse.Namespace, metric: str):
-    """The Trainer's arguments of the shared recipe: eval and save each epoch, the best model by `metric`."""
+def training_args(args: argparse.Namespace, work: dict[str, Any], **extra: Any):
+    """The Trainer's arguments of the shared recipe, with bertforge's steps, evaluations and checkpoints (`work`,
+    from same_work.plan) and no others; args.reference "tuned" groups batches by length."""
     from transformers import TrainingArguments
 
     return TrainingArguments(
         output_dir=str(args.hf_out),
         per_device_train_batch_size=args.batch_size,
         per_device_eval_batch_size=EVAL_BATCH,
-        num_train_epochs=args.epochs,
         learning_rate=args.lr,
         weight_decay=WEIGHT_DECAY,
         warmup_steps=WARMUP,  # below 1: a fraction of the total steps
@@ -76,19 +105,36 @@ def training_args(args: argparse.Namespace, metric: str):
         adam_beta2=0.999,
         adam_epsilon=1e-8,
         max_grad_norm=1.0,
-        eval_strategy="epoch",
-        save_strategy="epoch",
-        save_total_limit=1,
-        load_best_model_at_end=True,
-        metric_for_best_model=metric,
-        greater_is_better=True,
+        train_sampling_strategy="group_by_length" if args.reference == "tuned" else "random",
         logging_steps=10,
         report_to="none",
         use_cpu=args.device == "cpu",
         bf16=args.bf16,
         seed=args.seed,
         dataloader_num_workers=0,
+        **same_work.trainer_arguments(work),
+        **extra,
     )
+
+
+def train_reference(args: argparse.Namespace, make_trainer: Callable[..., Any], train_rows: int, metric: str
+                    ) -> dict[str, Any]:  # fmt: skip
+    """Build the Trainer with `make_trainer(training_arguments, callbacks)` for `train_rows` training rows (one
+    evaluation an epoch, as bertforge's command here), train it, and write its best model once (same_work.finish);
+    -> the result's common fields, with `evaluation`: the best logged evaluation."""
+    import torch
+
+    work = same_work.plan(train_rows, args.batch_size, args.epochs, 1)
+    callback, eval_s = progress()
+    same = same_work.trainer_callback(work)
+    trainer = make_trainer(training_args(args, work), [callback, same])
+    start = time.perf_counter()
+    trainer.train()
+    train_s = time.perf_counter() - start
+    best = same_work.finish(trainer, metric, True, Path(args.hf_out) / "model")
+    return {"score": best["score"], "evaluation": best["evaluation"], "steps_s": train_s - eval_s[0],
+            "eval_s": eval_s[0], "best_step": best["best_step"], "steps": trainer.state.global_step,
+            "evaluations": same.evaluated, "saves": same.saved, "torch_threads": torch.get_num_threads()}  # fmt: skip
 
 
 def progress() -> tuple[object, list[float]]:
@@ -105,26 +151,53 @@ def progress() -> tuple[object, list[float]]:
     return Progress(), eval_s
 
 
+TRAINER = "transformers Trainer (PyTorch)"
+REFERENCES = {"shipped": TRAINER, "tuned": f"{TRAINER}, group_by_length"}
+
+
 def run_seeds(args: argparse.Namespace, name: str, work: Path, counts: dict,
               systems: list[tuple[str, Callable[[argparse.Namespace, Path, Path], dict]]]) -> list[dict]:  # fmt: skip
-    """Each system of `systems` ((name, run(args, work, out))) once per seed of args.seeds, one after the other, into
-    fresh folders; the rows, with the saved ones of other seeds first when args.keep."""
+    """Each system of `systems` ((name, run(args, work, out))) once per seed of args.seeds into fresh folders, the
+    order rotated from seed to seed (same_work.order); the rows, with the saved ones of other seeds first when
+    args.keep."""
     from report import RESULTS
 
     rows = []
     if args.keep:
         rows = [r for r in json.loads((RESULTS / f"{name}.json").read_text())["rows"] if r["seed"] not in args.seeds]
-    for seed in args.seeds:
+    for index, seed in enumerate(args.seeds):
         args.seed = seed
         first = len(rows)
-        row = functools.partial(_row, seed=seed, counts=counts)
-        folders = [work / f"{'bertforge' if i == 0 else 'transformers-trainer'}-seed{seed}" for i in range(2)]
-        for folder in folders:
+        for system, run in same_work.order(systems, index):
+            folder = work / f"{_slug(system)}-seed{seed}"
             shutil.rmtree(folder, ignore_errors=True)
-        for (system, run), folder in zip(systems, folders, strict=True):
-            rows.append(row(system, run(args, work, folder)))
+            rows.append(_row(system, run(args, work, folder), seed=seed, counts=counts))
         print(json.dumps(rows[first:]), flush=True)
     return rows
+
+
+def reference_systems(run: Callable[..., dict], variants: list[str]) -> list[tuple[str, Callable[..., dict]]]:
+    """The Trainer's systems, one per variant ("shipped", "tuned"): run(args, work, out, reference=variant)."""
+    return [(REFERENCES[v], functools.partial(run, reference=v)) for v in variants]
+
+
+def index(args: argparse.Namespace, benchmark: str, recipe: str, metric: str, rows: list[dict]) -> None:
+    """The run's lines in the results index, one per system, over the seeds run now."""
+    machine = results_index.gpu_machine() if args.device == "gpu" else None
+    cache = "cold" if args.cold_cache else "warm"
+    lines = []
+    for system in dict.fromkeys(r["system"] for r in rows if r["seed"] in args.seeds):
+        rs = [r for r in rows if r["system"] == system and r["seed"] in args.seeds]
+        per_seed = [{"seed": r["seed"], "wall_s": r["wall_s"], "value": r["score"]} for r in rs]
+        medians = {k: statistics.median(r[k] for r in rs) for k in ("steps_s", "eval_s") if all(k in r for r in rs)}
+        name = TRAINER if system.startswith(TRAINER) else system
+        lines.append(results_index.line(benchmark, recipe, name, rs[0].get("variant", ""), cache, metric, per_seed,
+                                        machine, evaluations=rs[0].get("evaluations"), **medians))  # fmt: skip
+    results_index.append(lines)
+
+
+def _slug(system: str) -> str:
+    return "".join(c if c.isalnum() else "-" for c in system.lower()).strip("-")
 
 
 def _row(system: str, result: dict, seed: int, counts: dict) -> dict:
