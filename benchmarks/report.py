@@ -29,3 +29,114 @@ def save(name: str, title: str, table: str, rows: list[dict], bars: list[tuple[s
     fig.suptitle("\n".join(textwrap.wrap(title, 105)), fontsize=8)
     fig.tight_layout()
     fig.savefig(RESULTS / f"{name}.png", dpi=120)
+
+
+# ---------------------------------------------------------------------------------------- tables from the index
+# The README's results: (benchmark, recipe, what the row is). Each is shown for every machine the index has it on,
+# from the latest run there. A recipe changes its name when its work changes, so a row never mixes the two.
+README_ROWS = (
+    ("finetune_end_to_end", "sentences-64-defaults-1ep-1eval", "fine-tune short texts with the defaults, 1 epoch"),
+    ("finetune_end_to_end", "jnli-128-defaults-1ep-1eval", "fine-tune JNLI sentence pairs with the defaults, 1 epoch"),
+)
+BEGIN = "<!-- results: rendered by benchmarks/report.py from benchmarks/results/index.jsonl; do not edit -->"
+END = "<!-- results: end -->"
+MACHINES = {"family 25 model 1,": "Zen 3", "family 25 model 17,": "Zen 4", "family 26 ": "Zen 5"}
+
+
+def machine_name(machine: str) -> str:
+    """A machine as a table names it: an AMD EPYC's generation from its CPU family and model."""
+    for key, generation in MACHINES.items():
+        if key in machine:
+            name, _, rest = machine.partition(",")
+            cores = rest.rsplit(",", 1)[-1].strip()
+            return f"{name} {generation}, {cores}"
+    return machine
+
+
+def latest_runs(lines: list[dict], benchmark: str, recipe: str) -> dict[str, list[dict]]:
+    """machine -> the lines of the latest run of (benchmark, recipe) there that has a bertforge line, preferring a
+    first run (cache cold) to a warm one of the same day."""
+    runs: dict[str, dict[str, list[dict]]] = {}
+    for entry in lines:
+        if entry["benchmark"] == benchmark and entry["recipe"] == recipe:
+            runs.setdefault(entry["machine"], {}).setdefault(entry["run"], []).append(entry)
+    out = {}
+    for machine, by_run in runs.items():
+        timed = [rs for rs in by_run.values() if any(r["system"] == "bertforge" and r["wall_s"] for r in rs)]
+        if timed:
+            out[machine] = max(timed, key=lambda rs: (rs[0]["date"], rs[0]["cache"] == "cold"))  # stable: last wins
+    return out
+
+
+def comparison(run: list[dict]) -> tuple[dict, dict | None]:
+    """(bertforge's line, the faster reference's line or None) of one run."""
+    ours = next(r for r in run if r["system"] == "bertforge")
+    references = [r for r in run if r["system"] != "bertforge" and r["wall_s"]]
+    return ours, min(references, key=lambda r: r["wall_s"], default=None)
+
+
+def _quality(value: float) -> str:
+    return f"{value:.4f}" if abs(value) < 10 else f"{value:.1f}"
+
+
+def render_table(lines: list[dict], rows: tuple[tuple[str, str, str], ...] = README_ROWS) -> str:
+    """The results table: one row per (benchmark, recipe) and machine, one number per cell, the ratio against the
+    faster reference as "x the time"."""
+    out = [
+        "| task | machine | cache | reference | bertforge | reference's time | x the time | metric | bertforge "
+        "| reference | seeds | date, commit |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for benchmark, recipe, label in rows:
+        for machine, run in sorted(latest_runs(lines, benchmark, recipe).items()):
+            ours, ref = comparison(run)
+            name = "-" if ref is None else f"{ref['system']}, {ref['variant']}"
+            time = "-" if ref is None else f"{ref['wall_s']:.0f} s"
+            ratio = "-" if ref is None else f"{ours['wall_s'] / ref['wall_s']:.2f}x"
+            quality = "-" if ref is None else _quality(ref["value"])
+            out.append(f"| {label} | {machine_name(machine)} | {ours['cache']} | {name} | {ours['wall_s']:.0f} s "
+                       f"| {time} | {ratio} | {ours['metric']} | {_quality(ours['value'])} | {quality} "
+                       f"| {len(ours['seeds'])} | {ours['date']}, {ours['commit']} |")  # fmt: skip
+    return "\n".join(out)
+
+
+def rendered(text: str, table: str) -> str:
+    """`text` with the part between BEGIN and END replaced by `table`."""
+    start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
+    return text[:start] + "\n" + table + "\n" + text[end:]
+
+
+def all_rows(lines: list[dict]) -> tuple[tuple[str, str, str], ...]:
+    """Every (benchmark, recipe) of the index with a timed bertforge line and a timed reference, for the results
+    page: benchmarks.md's table."""
+    timed = {(r["benchmark"], r["recipe"], r["system"] == "bertforge") for r in lines if r["wall_s"]}
+    pairs = sorted({(b, rc) for b, rc, ours in timed if ours and (b, rc, False) in timed})
+    return tuple((b, rc, f"{b}: {rc}") for b, rc in pairs)
+
+
+def pages(lines: list[dict]) -> dict[Path, str]:
+    """Each page with a rendered table -> the table: README.md's rows, and every comparison in docs/benchmarks.md."""
+    root = Path(__file__).resolve().parent.parent
+    return {root / "README.md": render_table(lines), root / "docs/benchmarks.md": render_table(lines, all_rows(lines))}
+
+
+def main() -> None:
+    import argparse
+
+    from results_index import read
+
+    p = argparse.ArgumentParser(description="Render the results tables of README.md and docs/benchmarks.md from "
+                                "the results index.")  # fmt: skip
+    p.add_argument("--check", action="store_true", help="exit 1 when a page is not what the index renders")
+    args = p.parse_args()
+    for page, table in pages(read()).items():
+        text = page.read_text(encoding="utf-8")
+        new = rendered(text, table)
+        if args.check and new != text:
+            raise SystemExit(f"{page.name}'s results table is not what the index renders: run benchmarks/report.py")
+        if not args.check:
+            page.write_text(new, encoding="utf-8")
+
+
+if __name__ == "__main__":
+    main()
