@@ -15,6 +15,12 @@ excerpts of 158-314 tokens: give --data).
     .venv/bin/python benchmarks/finetune_profile.py --task sentences
     .venv/bin/python benchmarks/finetune_profile.py --task commonlit --data data/commonlit/train.csv
     .venv/bin/python benchmarks/finetune_profile.py --task sentences --dtype bfloat16   # bf16 compute
+    .venv/bin/python benchmarks/finetune_profile.py --task sentences --recipe defaults --epochs 1 --max-length 64 \
+        --cold-cache   # finetune_end_to_end.py's defaults recipe, a first run
+
+`--recipe defaults` runs the command as finetune_end_to_end.py's defaults recipe does (bertforge's defaults, a
+training table and every fifth row as a validation table, one evaluation an epoch); `--cold-cache` gives it an empty
+compile cache (a first run).
 """
 
 from __future__ import annotations
@@ -44,7 +50,13 @@ def _minilm() -> str:
 
 
 def flags(args: argparse.Namespace) -> list[str]:
-    """`bertforge finetune` as a user runs it on the task: CommonLit's shipped config, fold 0."""
+    """`bertforge finetune` as a user runs it on the task: CommonLit's shipped config, fold 0; or with the defaults
+    recipe, bertforge's defaults on a training and a validation table."""
+    if args.recipe == "defaults":
+        return ["--model", args.model, "--data", args.data, "--valid-data", args.valid, "--out", args.out,
+                "--text-column", "text", "--target-column", "module", "--task", "classification",
+                f"--max-length={args.max_length}", f"--train.epochs={args.epochs}", "--train.evals_per_epoch=1",
+                f"--train.dtype={args.dtype}"]  # fmt: skip
     common = ["--config", str(CONFIG), "--model", args.model, "--data", args.data, "--out", args.out, "--fold", "0",
               f"--train.epochs={args.epochs}", f"--train.dtype={args.dtype}"]  # fmt: skip
     if args.task == "commonlit":
@@ -144,8 +156,12 @@ def main() -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="compute dtype (train.dtype)")
     p.add_argument("--work", default=str(ROOT / "runs/bench-finetune-profile"))
     p.add_argument("--name", default=None, help="results/<name>.md (default: finetune_profile_<task>)")
+    p.add_argument("--recipe", choices=["tuned", "defaults"], default="tuned", help="see above")
+    p.add_argument("--max-length", type=int, default=128, help="with --recipe defaults")
+    p.add_argument("--cold-cache", action="store_true", help="an empty compile cache (a first run)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
+    p.add_argument("--valid", help=argparse.SUPPRESS)
     args = p.parse_args()
     args.model = args.model or _minilm()
     if args.worker:
@@ -158,17 +174,25 @@ def main() -> None:
         write_task(args.task, Path(args.data))
     elif not args.data:
         p.error("--task commonlit needs --data")
+    if args.recipe == "defaults":
+        from finetune_end_to_end import split_table
+
+        args.data, args.valid = split_table(args.data, work)
     from bertforge.runtime.allocator import tuned_environment
     from bertforge.runtime.xla_options import tuned_xla_flags
 
     out = work / f"run-{args.task}"
     subprocess.run(["rm", "-rf", str(out)], check=True)
     cmd = [sys.executable, __file__, "--worker", "--task", args.task, "--data", args.data, "--epochs",
-           str(args.epochs), "--model", args.model, "--out", str(out), "--dtype", args.dtype]  # fmt: skip
+           str(args.epochs), "--model", args.model, "--out", str(out), "--dtype", args.dtype, "--recipe", args.recipe,
+           "--max-length", str(args.max_length)] + (["--valid", args.valid] if args.valid else [])  # fmt: skip
     # The allocator settings and XLA options the command gives itself at start-up (bertforge.runtime.allocator,
     # bertforge.runtime.xla_options), since the worker runs the command's code in-process, not through its entry point.
     env = tuned_environment(os.environ, command="finetune") or dict(os.environ)
     env["XLA_FLAGS"] = tuned_xla_flags(env, "finetune") or env.get("XLA_FLAGS", "")
+    if args.cold_cache:
+        env["BERTFORGE_COMPILE_CACHE"] = str(work / "compile-cache")
+        subprocess.run(["rm", "-rf", env["BERTFORGE_COMPILE_CACHE"]], check=True)
     done = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
     found = json.loads(done.stdout.strip().splitlines()[-1])
     report(found, args)
