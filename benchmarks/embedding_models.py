@@ -275,7 +275,7 @@ def _index(args: argparse.Namespace, name: str, rows: list[dict]) -> None:
         per_seed = [{"seed": r["seed"], "wall_s": r["wall_s"], "value": r["ndcg@10"]} for r in rs]
         extra = {k: [r[k] for r in rs] for k in ("mrr@10", "spearman")}
         lines.append(results_index.line(
-            "embedding_models", name.removeprefix("jsquad_retrieval_") or "default", system.split(" Trainer")[0],
+            "embedding_models", name.removeprefix("jsquad_retrieval_") or "default", system,
             rs[0]["variant"], "cold" if args.cold_cache else "warm", "ndcg@10", per_seed,
             results_index.gpu_machine() if args.device == "gpu" else None, evaluations=rs[0].get("evaluations"),
             **{f"{k}_by_seed": v for k, v in extra.items()}))  # fmt: skip

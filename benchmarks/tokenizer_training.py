@@ -7,15 +7,19 @@ and 1,000 MB. Every run is a fresh process, timed from its start (imports includ
 resident memory read from the kernel (wait4). bertforge runs as a user types it (`bertforge tokenizer train`);
 SentencePiece as its Python users call it (`SentencePieceTrainer.train(input=...)`, its defaults otherwise, but for
 `hard_vocab_limit=False` as bertforge sets it: WikiText-2's text gives only about 10,000 Unigram pieces);
-`tokenizers` as its documentation trains (`Tokenizer.train(files, trainer)`). Above `--sample-above` MB,
-bertforge trains on `--sample-lines` lines and SentencePiece on as many (its `input_sentence_size`, which samples
-as it reads); `tokenizers` has no sampling and reads everything. `tokenizers`' Unigram is run only where it fits
-in memory (HF_UNIGRAM_MAX_MB): on text without spaces it holds every substring of every line.
+`tokenizers` as its documentation trains (`Tokenizer.train(files, trainer)`). SentencePiece runs twice: as shipped
+(its default of 16 threads) and tuned, with one thread per core (`num_threads`, as bertforge gives it). Above
+`--sample-above` MB, bertforge trains on `--sample-lines` lines and SentencePiece on as many (its
+`input_sentence_size`, which samples as it reads); `tokenizers` has no sampling and reads everything.
+`tokenizers`' Unigram is run only where it fits in memory (HF_UNIGRAM_MAX_MB): on text without spaces it holds
+every substring of every line.
 
 For each Unigram tokenizer, `tokens/kchar` is the number of pieces per 1,000 characters of 2,000 lines of the
 corpus: the two SentencePiece-trained tokenizers should cut text alike.
 
     .venv/bin/python benchmarks/tokenizer_training.py --data ../shared/data [--sizes 10 100 1000]
+
+Each run adds a line per corpus, type and implementation to the results index (results_index.py).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import time
 from pathlib import Path
 
 import report
+import results_index
 
 VENV_BIN = Path(sys.executable).parent
 HF_UNIGRAM_MAX_MB = {"ja": 10, "en": 10}  # the largest corpus `tokenizers`' Unigram trainer runs on
@@ -65,10 +70,12 @@ def build_corpus(units: list[str], per_line: int, mb: int, path: Path, seed: int
 
 
 # ------------------------------------------------------------------------------------------------ the workers
-def run_sentencepiece(corpus: str, kind: str, vocab: int, coverage: float, sample: int, out: Path) -> None:
+def run_sentencepiece(corpus: str, kind: str, vocab: int, coverage: float, sample: int, out: Path,
+                      tuned: bool = False) -> None:  # fmt: skip
     import sentencepiece as spm
 
     extra = {"input_sentence_size": sample, "shuffle_input_sentence": True} if sample else {}
+    extra |= {"num_threads": os.cpu_count() or 1} if tuned else {}  # tuned: a thread per core
     spm.SentencePieceTrainer.train(
         input=corpus, model_prefix=str(out / "sp"), model_type=kind, vocab_size=vocab,
         character_coverage=coverage, hard_vocab_limit=False, minloglevel=2, **extra,
@@ -113,8 +120,9 @@ def tokens_per_kchar(out: Path, corpus: str) -> float | None:
 
 def child(args: argparse.Namespace) -> None:
     out = Path(args.out)
-    if args.impl == "sentencepiece":
-        run_sentencepiece(args.corpus, args.kind, args.vocab, args.coverage, args.sample, out)
+    if args.impl.startswith("sentencepiece"):
+        tuned = args.impl == SP_TUNED
+        run_sentencepiece(args.corpus, args.kind, args.vocab, args.coverage, args.sample, out, tuned)
     else:
         run_tokenizers(args.corpus, args.kind, args.vocab, out)
 
@@ -151,9 +159,28 @@ def _peak_from(err: str) -> float | None:
 
 
 # ---------------------------------------------------------------------------------------------------- the parent
+SP_TUNED = "sentencepiece-threads"  # SentencePiece with a thread per core
+# implementation -> (system, variant) as the results index names them
+SYSTEMS = {"bertforge": ("bertforge", "float32"), "sentencepiece": ("SentencePiece", "shipped"),
+           SP_TUNED: ("SentencePiece", "tuned"), "tokenizers": ("tokenizers (Hugging Face)", "shipped")}  # fmt: skip
+
+
+def index(rows: list[dict], vocab: int) -> None:
+    """A line per corpus, type and implementation in the results index: its wall seconds."""
+    lines = []
+    for r in rows:
+        if r["seconds"]:
+            system, variant = SYSTEMS[r["implementation"]]
+            per_seed = [{"seed": 0, "wall_s": r["seconds"], "value": r["seconds"]}]
+            recipe = f"{r['type']}-{r['language']}-{r['mb']}mb-{vocab // 1000}k"
+            lines.append(results_index.line("tokenizer_training", recipe, system, variant, "warm", "seconds",
+                                            per_seed, peak_mb=r["peak_mb"]))  # fmt: skip
+    results_index.append(lines)
+
+
 def plan(lang: str, mb: int) -> list[tuple[str, str]]:
     """(implementation, type) pairs to run on one corpus."""
-    runs = [("bertforge", "unigram"), ("sentencepiece", "unigram")]
+    runs = [("bertforge", "unigram"), ("sentencepiece", "unigram"), (SP_TUNED, "unigram")]
     if mb <= HF_UNIGRAM_MAX_MB[lang]:
         runs.append(("tokenizers", "unigram"))
     return runs + [("bertforge", "wordpiece"), ("tokenizers", "wordpiece")]
@@ -231,7 +258,8 @@ def main() -> None:
         f"Tokenizer training, vocabulary {args.vocab:,}, {os.cpu_count()} cores: wall seconds and peak memory of "
         f"each command (SentencePiece-trained runs above {args.sample_above} MB on {args.sample_lines:,} lines)"
     )
-    colour = {"bertforge": "C0", "sentencepiece": "C1", "tokenizers": "C2"}
+    index(rows, args.vocab)
+    colour = {"bertforge": "C0", "sentencepiece": "C1", SP_TUNED: "C3", "tokenizers": "C2"}
     bars = [(f"{r['language']} {r['mb']} MB {r['type']} {r['implementation']}", r["seconds"] or 0,
              colour[r["implementation"]]) for r in rows]  # fmt: skip
     report.save(args.name, title, table(rows), rows, bars, "seconds (lower is better)")
