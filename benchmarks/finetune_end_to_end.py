@@ -386,14 +386,7 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         help="evaluations per epoch on both sides (default: 1 with --recipe defaults, else 2)",
     )
-    p.add_argument(
-        "--references",
-        nargs="+",
-        choices=["shipped", "tuned"],
-        default=["shipped", "tuned"],
-        help="the Trainer as shipped (random batches) and tuned (group_by_length): one run of each",
-    )
-    p.add_argument("--reference", choices=["shipped", "tuned"], default="tuned", help=argparse.SUPPRESS)
+    same_work.reference_options(p)
     p.add_argument("--pack", choices=["true", "false"], default=None, help="bertforge's data.pack (default: auto)")
     p.add_argument("--device", choices=["cpu", "gpu"], default="cpu", help="where the Trainer runs")
     p.add_argument("--bf16", action="store_true", help="bf16 compute in both systems")
@@ -483,16 +476,18 @@ def _systems(args: argparse.Namespace, work: Path) -> list:
         result = _bertforge(args, out, padded=False)
         if (out / "folds.csv").exists():  # the defaults recipe has none: a separate validation table
             shutil.copyfile(out / "folds.csv", folds_csv)
-        return f"bertforge ({result['batches']})", result
+        return "bertforge", result  # its batches (packed or padded, auto's choice per seed) in result["batches"]
 
     def reference(variant: str):
         return lambda: (REFERENCE_LABEL[variant], _hf(args, folds_csv, folder(f"trainer-{variant}"), reference=variant))
 
     def padded() -> tuple[str, dict]:
-        return "bertforge (padded to max length)", _bertforge(args, folder("bertforge-padded"), padded=True)
+        result = _bertforge(args, folder("bertforge-padded"), padded=True)
+        return "bertforge (padded to max length)", {**result, "variant": f"{result['variant']}, padded to max length"}
 
     def sparse() -> tuple[str, dict]:
-        return "bertforge (sparse embedding update)", _bertforge(args, folder("bertforge-sparse"), False, sparse=True)
+        result = _bertforge(args, folder("bertforge-sparse"), False, sparse=True)
+        return "bertforge (sparse embedding update)", {**result, "variant": f"{result['variant']}, sparse embeddings"}
 
     others = [reference(v) for v in args.references] if args.compare == "hf" else [padded]
     return [bertforge, *others] + ([sparse] if args.sparse_embeddings else [])

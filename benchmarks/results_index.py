@@ -27,6 +27,7 @@ from typing import Any
 RESULTS = Path(__file__).parent / "results"
 # BENCH_INDEX names another file (a trial run's, a test's).
 INDEX = Path(os.environ.get("BENCH_INDEX") or RESULTS / "index.jsonl")
+CODE = ("src", "benchmarks/*.py", "configs", "pyproject.toml")  # what a result depends on, for `commit`
 REQUIRED = ("benchmark", "recipe", "run", "commit", "date", "machine", "system", "variant", "cache", "seeds",
             "wall_s", "metric", "value")  # fmt: skip
 
@@ -61,14 +62,13 @@ def gpu_machine() -> str | None:
 
 
 def commit() -> str:
-    """The checkout's commit (short), with '+changes' when tracked files other than results differ from it."""
+    """The checkout's commit (short), with '+changes' when the code a benchmark runs (the package, the benchmark
+    scripts, the configs, pyproject.toml) differs from it."""
     root = Path(__file__).resolve().parent.parent
     git = lambda *a: subprocess.run(["git", *a], cwd=root, capture_output=True, text=True, check=False)  # noqa: E731
     head = git("rev-parse", "--short=10", "HEAD").stdout.strip() or "unknown"
     return head + (
-        "+changes"
-        if git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!benchmarks/results").stdout.strip()
-        else ""
+        "+changes" if git("status", "--porcelain", "--untracked-files=no", "--", *CODE).stdout.strip() else ""
     )
 
 

@@ -15,6 +15,7 @@ order from seed to seed.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 import os
@@ -120,3 +121,10 @@ def order(systems: list[Any], seed_index: int) -> list[Any]:
     """`systems` rotated by the seed's index: each system runs first on every len(systems)-th seed."""
     k = seed_index % len(systems)
     return systems[k:] + systems[:k]
+
+
+def reference_options(p: argparse.ArgumentParser) -> None:
+    """A comparison's --references (its runs, one per variant) and the worker's --reference."""
+    p.add_argument("--references", nargs="+", choices=["shipped", "tuned"], default=["shipped", "tuned"],
+                   help="the Trainer as shipped (random batches) and tuned (group_by_length)")  # fmt: skip
+    p.add_argument("--reference", choices=["shipped", "tuned"], default="tuned", help=argparse.SUPPRESS)

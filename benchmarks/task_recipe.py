@@ -39,14 +39,7 @@ def bertforge_command(args: argparse.Namespace, task: str, train: Path, valid: P
 
 def add_options(p: argparse.ArgumentParser) -> None:
     """The options every task benchmark takes: its references and a first run's compile cache."""
-    p.add_argument(
-        "--references",
-        nargs="+",
-        choices=["shipped", "tuned"],
-        default=["shipped", "tuned"],
-        help="the Trainer as shipped (random batches) and tuned (group_by_length): one run of each",
-    )
-    p.add_argument("--reference", choices=["shipped", "tuned"], default="tuned", help=argparse.SUPPRESS)
+    same_work.reference_options(p)
     p.add_argument("--cold-cache", action="store_true",
                    help="bertforge with an empty compile cache each run (a first run)")  # fmt: skip
 
