@@ -173,3 +173,33 @@ def test_the_best_evaluation_is_picked_as_bertforge_picks_it():
                {"step": 15, "eval_f1": float("nan")}]  # fmt: skip
     assert best(history, "f1", True)["step"] == 10  # a tie goes to the later step; undefined ranks last
     assert best([{"step": 3, "eval_rmse": 0.7}, {"step": 6, "eval_rmse": 0.6}], "rmse", False)["step"] == 6
+
+
+def test_an_earlier_best_evaluation_is_loaded_from_its_checkpoint_before_the_model_is_written(model_dir, tmp_path):
+    import torch
+    from safetensors.torch import load_file
+    from transformers import BertForSequenceClassification, Trainer, TrainingArguments, default_data_collator
+
+    same_work = _benchmark("same_work")
+    work = same_work.plan(24, 4, 2.0, 2)  # 12 steps, evaluations after 3, 6, 9 and 12
+    assert work == {"steps": 12, "evaluations": [3, 6, 9, 12], "checkpoints": [3, 6, 9]}
+    scores = iter([0.5, 0.9, 0.7, 0.8])  # the second evaluation ranks best
+
+    torch.manual_seed(0)
+    model = BertForSequenceClassification.from_pretrained(str(model_dir), num_labels=2)
+    training = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, learning_rate=1e-2,
+                                 report_to="none", use_cpu=True, disable_tqdm=True, logging_steps=10**6,
+                                 **same_work.trainer_arguments(work))  # fmt: skip
+    trainer = Trainer(model=model, args=training, train_dataset=Rows(24), eval_dataset=Rows(4),
+                      data_collator=default_data_collator, compute_metrics=lambda _p: {"f1": next(scores)},
+                      callbacks=[same_work.trainer_callback(work)])  # fmt: skip
+    trainer.train()
+    best = same_work.finish(trainer, "f1", True, tmp_path / "model")
+
+    assert (best["best_step"], best["score"]) == (6, 0.9)
+    written = load_file(tmp_path / "model" / "model.safetensors")
+    at_six = load_file(tmp_path / "out" / "checkpoint-6" / "model.safetensors")
+    at_nine = load_file(tmp_path / "out" / "checkpoint-9" / "model.safetensors")
+    assert written.keys() == at_six.keys()
+    assert all(torch.equal(written[k], at_six[k]) for k in at_six)
+    assert not all(torch.equal(written[k], at_nine[k]) for k in at_nine)  # the weights moved after step 6
