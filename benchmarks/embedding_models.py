@@ -268,18 +268,12 @@ ST = "sentence-transformers Trainer (PyTorch)"
 
 
 def _index(args: argparse.Namespace, name: str, rows: list[dict]) -> None:
-    """One line per trained system in the results index: nDCG@10 over every passage."""
-    lines = []
-    for system in (s for s in dict.fromkeys(r["system"] for r in rows) if s in ("bertforge", ST)):
-        rs = [r for r in rows if r["system"] == system]
-        per_seed = [{"seed": r["seed"], "wall_s": r["wall_s"], "value": r["ndcg@10"]} for r in rs]
-        extra = {k: [r[k] for r in rs] for k in ("mrr@10", "spearman")}
-        lines.append(results_index.line(
-            "embedding_models", name.removeprefix("jsquad_retrieval_") or "default", system,
-            rs[0]["variant"], "cold" if args.cold_cache else "warm", "ndcg@10", per_seed,
-            results_index.gpu_machine() if args.device == "gpu" else None, evaluations=rs[0].get("evaluations"),
-            **{f"{k}_by_seed": v for k, v in extra.items()}))  # fmt: skip
-    results_index.append(lines)
+    """One line per trained system in the results index: nDCG@10 over every passage (the zero-shot row has no seed
+    and no time)."""
+    machine = results_index.gpu_machine() if args.device == "gpu" else None
+    results_index.append(results_index.run_lines(
+        "embedding_models", name.removeprefix("jsquad_retrieval_") or "default", "ndcg@10", rows, args.seeds,
+        "cold" if args.cold_cache else "warm", machine, value="ndcg@10", by_seed=("mrr@10", "spearman")))  # fmt: skip
 
 
 def _report(args: argparse.Namespace, name: str, rows: list[dict]) -> None:

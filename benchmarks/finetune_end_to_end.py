@@ -456,10 +456,6 @@ def main() -> None:
     _report(args, name, rows)
 
 
-TRAINER = "transformers Trainer (PyTorch)"
-REFERENCE_LABEL = {"shipped": TRAINER, "tuned": f"{TRAINER}, group_by_length"}
-
-
 def _systems(args: argparse.Namespace, work: Path) -> list:
     """The runs of one seed, each a function -> (system, result). The Trainer reads the fold assignment that
     bertforge's first run wrote (kept as `work`/folds-L.csv; the folds do not change with the seed), so the order
@@ -479,7 +475,10 @@ def _systems(args: argparse.Namespace, work: Path) -> list:
         return "bertforge", result  # its batches (packed or padded, auto's choice per seed) in result["batches"]
 
     def reference(variant: str):
-        return lambda: (REFERENCE_LABEL[variant], _hf(args, folds_csv, folder(f"trainer-{variant}"), reference=variant))
+        return lambda: (
+            same_work.REFERENCES[variant],
+            _hf(args, folds_csv, folder(f"trainer-{variant}"), reference=variant),
+        )
 
     def padded() -> tuple[str, dict]:
         result = _bertforge(args, folder("bertforge-padded"), padded=True)
@@ -494,21 +493,14 @@ def _systems(args: argparse.Namespace, work: Path) -> list:
 
 
 def _index(args: argparse.Namespace, rows: list[dict]) -> None:
-    """One line per system in the results index."""
-    task = TASKS[args.task]
+    """One line per system in the results index, over the seeds run now: the Trainer's and bertforge's (its padded or
+    sparse runs told apart by their variant)."""
     recipe = f"{args.task}-{args.max_length}-{args.recipe}-{args.epochs:g}ep-{_evals(args)}eval"
     machine = results_index.gpu_machine() if args.device == "gpu" else None
-    lines = []
-    for system in dict.fromkeys(r["system"] for r in rows):
-        rs = [r for r in rows if r["system"] == system]
-        per_seed = [{"seed": r["seed"], "wall_s": r["wall_s"], "value": r["score"]} for r in rs]
-        name = TRAINER if system.startswith(TRAINER) else "bertforge"
-        variant = rs[0].get("variant") or system.partition("(")[2].rstrip(")")
-        medians = {k: statistics.median(r[k] for r in rs) for k in ("steps_s", "eval_s") if all(k in r for r in rs)}
-        lines.append(results_index.line(
-            "finetune_end_to_end", recipe, name, variant, "cold" if args.cold_cache else "warm", task.metric,
-            per_seed, machine, evaluations=rs[0].get("evaluations"), **medians))  # fmt: skip
-    results_index.append(lines)
+    name = lambda system: same_work.TRAINER if system.startswith(same_work.TRAINER) else "bertforge"  # noqa: E731
+    results_index.append(results_index.run_lines("finetune_end_to_end", recipe, TASKS[args.task].metric, rows,
+                                                 args.seeds, "cold" if args.cold_cache else "warm", machine,
+                                                 name=name))  # fmt: skip
 
 
 def _row(system: str, result: dict, seed: int, epochs: float) -> dict:

@@ -90,6 +90,24 @@ def line(benchmark: str, recipe: str, system: str, variant: str, cache: str, met
             "variant": variant, "cache": cache, "metric": metric, **summarise(per_seed), **extra}  # fmt: skip
 
 
+def run_lines(benchmark: str, recipe: str, metric: str, rows: list[dict], seeds: list[int], cache: str,
+              machine: str | None = None, value: str = "score", name: Any = None,
+              by_seed: tuple[str, ...] = ()) -> list[dict[str, Any]]:  # fmt: skip
+    """A run's lines, one per system: `rows` are a benchmark's rows (system, seed, wall_s, `value`, variant,
+    evaluations, steps_s and eval_s where it has them), of which those of `seeds` count; `name(system)` is the
+    system's name in the index (default: as it is); `by_seed`: row fields kept as per-seed lists."""
+    out = []
+    ran = [r for r in rows if r["seed"] in seeds]
+    for system in dict.fromkeys(r["system"] for r in ran):
+        rs = [r for r in ran if r["system"] == system]
+        per_seed = [{"seed": r["seed"], "wall_s": r["wall_s"], "value": r[value]} for r in rs]
+        medians = {k: statistics.median(r[k] for r in rs) for k in ("steps_s", "eval_s") if all(k in r for r in rs)}
+        extra = {f"{k}_by_seed": [r[k] for r in rs] for k in by_seed}
+        out.append(line(benchmark, recipe, name(system) if name else system, rs[0].get("variant", ""), cache, metric,
+                        per_seed, machine, evaluations=rs[0].get("evaluations"), **medians, **extra))  # fmt: skip
+    return out
+
+
 def append(lines: list[dict[str, Any]], index: Path | None = None) -> None:
     """Add `lines` (one run's) to the index, each with the run's id, commit and date."""
     index = index or INDEX

@@ -25,6 +25,14 @@ from typing import Any
 from bertforge.runtime.allocator import tuned_environment
 from bertforge.tasks.fold_steps import work_plan
 
+TRAINER = "transformers Trainer (PyTorch)"
+REFERENCES = {"shipped": TRAINER, "tuned": f"{TRAINER}, group_by_length"}  # a reference's rows, by variant
+
+
+def index_name(system: str) -> str:
+    """A comparison's system as the results index names it: the Trainer whatever its variant, else as it is."""
+    return TRAINER if system.startswith(TRAINER) else system
+
 
 @dataclasses.dataclass(frozen=True)
 class Recipe:

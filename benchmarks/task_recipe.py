@@ -9,7 +9,6 @@ import argparse
 import functools
 import json
 import shutil
-import statistics
 import subprocess
 import sys
 import time
@@ -144,10 +143,6 @@ def progress() -> tuple[object, list[float]]:
     return Progress(), eval_s
 
 
-TRAINER = "transformers Trainer (PyTorch)"
-REFERENCES = {"shipped": TRAINER, "tuned": f"{TRAINER}, group_by_length"}
-
-
 def run_seeds(args: argparse.Namespace, name: str, work: Path, counts: dict,
               systems: list[tuple[str, Callable[[argparse.Namespace, Path, Path], dict]]]) -> list[dict]:  # fmt: skip
     """Each system of `systems` ((name, run(args, work, out))) once per seed of args.seeds into fresh folders, the
@@ -171,22 +166,15 @@ def run_seeds(args: argparse.Namespace, name: str, work: Path, counts: dict,
 
 def reference_systems(run: Callable[..., dict], variants: list[str]) -> list[tuple[str, Callable[..., dict]]]:
     """The Trainer's systems, one per variant ("shipped", "tuned"): run(args, work, out, reference=variant)."""
-    return [(REFERENCES[v], functools.partial(run, reference=v)) for v in variants]
+    return [(same_work.REFERENCES[v], functools.partial(run, reference=v)) for v in variants]
 
 
 def index(args: argparse.Namespace, benchmark: str, recipe: str, metric: str, rows: list[dict]) -> None:
     """The run's lines in the results index, one per system, over the seeds run now."""
     machine = results_index.gpu_machine() if args.device == "gpu" else None
     cache = "cold" if args.cold_cache else "warm"
-    lines = []
-    for system in dict.fromkeys(r["system"] for r in rows if r["seed"] in args.seeds):
-        rs = [r for r in rows if r["system"] == system and r["seed"] in args.seeds]
-        per_seed = [{"seed": r["seed"], "wall_s": r["wall_s"], "value": r["score"]} for r in rs]
-        medians = {k: statistics.median(r[k] for r in rs) for k in ("steps_s", "eval_s") if all(k in r for r in rs)}
-        name = TRAINER if system.startswith(TRAINER) else system
-        lines.append(results_index.line(benchmark, recipe, name, rs[0].get("variant", ""), cache, metric, per_seed,
-                                        machine, evaluations=rs[0].get("evaluations"), **medians))  # fmt: skip
-    results_index.append(lines)
+    results_index.append(results_index.run_lines(benchmark, recipe, metric, rows, args.seeds, cache, machine,
+                                                 name=same_work.index_name))  # fmt: skip
 
 
 def _slug(system: str) -> str:
