@@ -312,7 +312,9 @@ WEIGHT_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": jax.n
 
 def weights_blob(tensors: dict[str, np.ndarray], dtype: str = "float32") -> bytes:
     """model.safetensors' bytes: `tensors` rounded to `dtype` (one of WEIGHT_DTYPES, to nearest, ties to even)."""
-    return safetensors_bytes({k: v.astype(WEIGHT_DTYPES[dtype]) for k, v in tensors.items()}, metadata={"format": "pt"})
+    return safetensors_bytes(
+        {k: v.astype(WEIGHT_DTYPES[dtype], copy=False) for k, v in tensors.items()}, metadata={"format": "pt"}
+    )
 
 
 def save_pretrained(
