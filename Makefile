@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 DEMO_OUT ?= demo-output
 
-.PHONY: demo test slow faults lint format install dev clean
+.PHONY: demo test slow faults lint format install dev clean data
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,11 @@ dev: $(VENV)/.installed-dev
 
 demo: $(VENV)/.installed
 	$(BIN)/bertforge demo --out $(DEMO_OUT)
+
+# The public data sets the README, the guides and the benchmarks use, checked, into data/ (scripts/fetch_data.py);
+# DATA_FROM=DIR copies them from a local mirror laid out as data/ instead of their public sources.
+data:
+	$(PYTHON) scripts/fetch_data.py $(if $(DATA_FROM),--from $(DATA_FROM))
 
 lint: dev
 	$(BIN)/ruff check .
