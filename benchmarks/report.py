@@ -102,6 +102,34 @@ def render_table(lines: list[dict], rows: tuple[tuple[str, str, str], ...] = REA
     return "\n".join(out)
 
 
+def render_readme(lines: list[dict], rows: tuple[tuple[str, str, str], ...] = README_ROWS) -> str:
+    """The README's results: per machine, a caption naming it, the cache, the dates and the commits, then a row per
+    (benchmark, recipe) with one number per cell and the ratio against the faster reference as "x the time"."""
+    by_machine: dict[str, list[tuple[str, dict, dict | None]]] = {}
+    for benchmark, recipe, label in rows:
+        for machine, run in latest_runs(lines, benchmark, recipe).items():
+            by_machine.setdefault(machine, []).append((label, *comparison(run)))
+    out = []
+    for machine, found in sorted(by_machine.items()):
+        caches = sorted({ours["cache"] for _, ours, _ in found})
+        dates = ", ".join(sorted({ours["date"] for _, ours, _ in found}))
+        commits = ", ".join(sorted({ours["commit"] for _, ours, _ in found}))
+        cache = "first runs (compile cache empty)" if caches == ["cold"] else f"cache {', '.join(caches)}"
+        label = "commit" if "," not in commits else "commits"
+        out += [f"{machine_name(machine)}; {cache}; medians over the seeds; {dates}; {label} {commits}:", "",
+                "| task | reference | bertforge | reference's time | x the time | metric | bertforge | reference "
+                "| seeds |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        for label, ours, ref in found:
+            name = "-" if ref is None else f"{ref['system']}, {ref['variant']}"
+            time = "-" if ref is None else f"{ref['wall_s']:.0f} s"
+            ratio = "-" if ref is None else f"{ours['wall_s'] / ref['wall_s']:.2f}x"
+            quality = "-" if ref is None else _quality(ref["value"])
+            out.append(f"| {label} | {name} | {ours['wall_s']:.0f} s | {time} | {ratio} | {ours['metric']} "
+                       f"| {_quality(ours['value'])} | {quality} | {len(ours['seeds'])} |")  # fmt: skip
+        out.append("")
+    return "\n".join(out).rstrip("\n")
+
+
 def rendered(text: str, table: str) -> str:
     """`text` with the part between BEGIN and END replaced by `table`."""
     start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
@@ -119,7 +147,7 @@ def all_rows(lines: list[dict]) -> tuple[tuple[str, str, str], ...]:
 def pages(lines: list[dict]) -> dict[Path, str]:
     """Each page with a rendered table -> the table: README.md's rows, and every comparison in docs/benchmarks.md."""
     root = Path(__file__).resolve().parent.parent
-    return {root / "README.md": render_table(lines), root / "docs/benchmarks.md": render_table(lines, all_rows(lines))}
+    return {root / "README.md": render_readme(lines), root / "docs/benchmarks.md": render_table(lines, all_rows(lines))}
 
 
 def main() -> None:

@@ -47,7 +47,7 @@ def test_a_table_edited_by_hand_is_told_apart():
     report, index = _benchmark("report"), _benchmark("results_index")
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     edited = readme.replace(report.END, "| a task | a machine | cold | Trainer | 10 s | 20 s | 0.50x |\n" + report.END)
-    assert report.rendered(edited, report.render_table(index.read())) == readme != edited
+    assert report.rendered(edited, report.render_readme(index.read())) == readme != edited
 
 
 def run(benchmark: str, recipe: str, machine: str, date: str, cache: str, systems: dict) -> list[dict]:
@@ -77,6 +77,22 @@ def test_the_table_takes_each_machines_latest_first_run_and_the_faster_reference
     assert cells[8:10] == ["0.6300", "0.6100"] and cells[-1] == "2026-12-07, abc"
     xeon_row = next(r for r in table if "Xeon" in r)
     assert "| 0.50x |" in xeon_row and f"{trainer}, shipped" in xeon_row
+
+
+def test_the_readme_names_the_machine_date_and_commit_in_a_caption_and_holds_at_most_eight_rows():
+    report, index = _benchmark("report"), _benchmark("results_index")
+    zen3, trainer = "AMD EPYC, family 25 model 1, 2 cores", "transformers Trainer (PyTorch)"
+    lines = run(
+        "b", "r", zen3, "2026-12-07", "cold", {("bertforge", "float32"): (30, 0.63), (trainer, "tuned"): (40, 0.6)}
+    )
+    text = report.render_readme(lines, (("b", "r", "the task"),)).splitlines()
+    assert (
+        text[0]
+        == "AMD EPYC Zen 3, 2 cores; first runs (compile cache empty); medians over the seeds; 2026-12-07; commit abc:"
+    )
+    assert text[4].split("|")[1:6] == [" the task ", f" {trainer}, tuned ", " 30 s ", " 40 s ", " 0.75x "]
+    rendered = report.render_readme(index.read()).splitlines()
+    assert sum(r.startswith("| ") and not r.startswith("| task ") for r in rendered) <= 8
 
 
 @pytest.mark.parametrize("bad", ['{"benchmark": "b"', "not json"])
