@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import textwrap
 from pathlib import Path
 
@@ -130,24 +131,47 @@ def render_readme(lines: list[dict], rows: tuple[tuple[str, str, str], ...] = RE
     return "\n".join(out).rstrip("\n")
 
 
-def rendered(text: str, table: str) -> str:
-    """`text` with the part between BEGIN and END replaced by `table`."""
-    start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
+def begin(benchmark: str | None = None) -> str:
+    """The line a rendered table starts after: the README's, or a benchmark's on the results page."""
+    return BEGIN if benchmark is None else BEGIN.replace("<!-- results:", f"<!-- results of {benchmark}:")
+
+
+def rendered(text: str, table: str, benchmark: str | None = None) -> str:
+    """`text` with the part between begin(benchmark) and the END after it replaced by `table`."""
+    start = text.index(begin(benchmark)) + len(begin(benchmark))
+    end = text.index(END, start)
     return text[:start] + "\n" + table + "\n" + text[end:]
 
 
 def all_rows(lines: list[dict]) -> tuple[tuple[str, str, str], ...]:
-    """Every (benchmark, recipe) of the index with a timed bertforge line and a timed reference, for the results
-    page: benchmarks.md's table."""
+    """Every (benchmark, recipe) of the index with a timed bertforge line and a timed reference."""
     timed = {(r["benchmark"], r["recipe"], r["system"] == "bertforge") for r in lines if r["wall_s"]}
     pairs = sorted({(b, rc) for b, rc, ours in timed if ours and (b, rc, False) in timed})
     return tuple((b, rc, f"{b}: {rc}") for b, rc in pairs)
 
 
+def benchmark_rows(lines: list[dict], benchmark: str) -> tuple[tuple[str, str, str], ...]:
+    """Every recipe of `benchmark` with a timed bertforge line and a timed reference, named by its recipe."""
+    return tuple((b, recipe, recipe) for b, recipe, _ in all_rows(lines) if b == benchmark)
+
+
+def page_benchmarks(text: str) -> list[str]:
+    """The benchmarks whose tables a page holds."""
+    return re.findall(r"<!-- results of (\S+): rendered", text)
+
+
 def pages(lines: list[dict]) -> dict[Path, str]:
-    """Each page with a rendered table -> the table: README.md's rows, and every comparison in docs/benchmarks.md."""
+    """Each page with rendered tables -> its text with every table rendered from `lines`: README.md's results, and
+    each benchmark's table on the results pages (docs/benchmarks.md, docs/gpu.md)."""
     root = Path(__file__).resolve().parent.parent
-    return {root / "README.md": render_readme(lines), root / "docs/benchmarks.md": render_table(lines, all_rows(lines))}
+    readme = root / "README.md"
+    out = {readme: rendered(readme.read_text(encoding="utf-8"), render_readme(lines))}
+    for results in (root / "docs/benchmarks.md", root / "docs/gpu.md"):
+        text = results.read_text(encoding="utf-8")
+        for benchmark in page_benchmarks(text):
+            text = rendered(text, render_table(lines, benchmark_rows(lines, benchmark)), benchmark)
+        out[results] = text
+    return out
 
 
 def main() -> None:
@@ -159,9 +183,8 @@ def main() -> None:
                                 "the results index.")  # fmt: skip
     p.add_argument("--check", action="store_true", help="exit 1 when a page is not what the index renders")
     args = p.parse_args()
-    for page, table in pages(read()).items():
+    for page, new in pages(read()).items():
         text = page.read_text(encoding="utf-8")
-        new = rendered(text, table)
         if args.check and new != text:
             raise SystemExit(f"{page.name}'s results table is not what the index renders: run benchmarks/report.py")
         if not args.check:

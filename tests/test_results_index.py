@@ -34,10 +34,12 @@ def test_every_line_of_the_index_has_the_fields_tables_are_drawn_from():
 
 def test_the_results_tables_of_the_readme_and_the_results_page_are_what_the_index_renders():
     report, index = _benchmark("report"), _benchmark("results_index")
-    for page, table in report.pages(index.read()).items():
+    pages = report.pages(index.read())
+    assert len(report.page_benchmarks(pages[ROOT / "docs/benchmarks.md"])) >= 6
+    for page, new in pages.items():
         text = page.read_text(encoding="utf-8")
-        assert report.BEGIN in text and report.END in text, page
-        assert report.rendered(text, table) == text, (
+        assert report.END in text, page
+        assert new == text, (
             f"{page.name}'s results table differs from what the index renders: run .venv/bin/python "
             "benchmarks/report.py"
         )
