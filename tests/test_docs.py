@@ -199,3 +199,18 @@ def test_a_broken_anchor_and_a_missing_file_are_found(tmp_path):
         test_each_relative_link_and_anchor_resolves("README.md", "docs/launch.md#no-such-heading")
     with pytest.raises(AssertionError, match="no such file"):
         test_each_relative_link_and_anchor_resolves("README.md", "docs/no-such-page.md")
+
+
+def test_the_command_line_reference_is_what_the_code_gives():
+    """docs/cli.md is written from the command line (scripts/cli_reference.py); a flag added, renamed or described
+    anew without writing it again fails here."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("cli_reference", ROOT / "scripts" / "cli_reference.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    assert (ROOT / "docs" / "cli.md").read_text(encoding="utf-8") == module.page(), (
+        "docs/cli.md is not what the command line gives: run .venv/bin/python scripts/cli_reference.py"
+    )
