@@ -19,7 +19,8 @@ mean-pooled last hidden states over the module task's texts, the share between t
 alike to the encoder, and fine-tuning has to build the features the task needs). Every finished stage is kept in
 --work, so the command run again continues where it stopped.
 
-    .venv/bin/python benchmarks/rtd_vs_mlm.py --data data/wikitext-2/*.txt --commonlit data/commonlit/train.csv \
+    .venv/bin/python benchmarks/investigations/rtd_vs_mlm.py --data data/wikitext-2/*.txt \
+        --commonlit data/commonlit/train.csv \
         [--arch modernbert|electra] [--minutes 15] [--seeds 0 1]
 """
 
@@ -35,6 +36,7 @@ import sys
 import time
 from pathlib import Path
 
+import _path  # noqa: F401 (the benchmarks' folder on the path)
 import numpy as np
 import yaml
 from pretrain_quality import BERTFORGE, ROOT, prepare

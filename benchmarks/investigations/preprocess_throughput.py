@@ -5,7 +5,8 @@ Both turn the same text, with the same WordPiece tokenizer, into 128-token block
 process, so that its peak memory (with its workers) is its own. Prints a table, saves it (Markdown, JSON) and a
 bar chart in benchmarks/results/.
 
-    .venv/bin/python benchmarks/preprocess_throughput.py [--data-dir ../shared/data/wikitext-2] [--repeat 8]
+    .venv/bin/python benchmarks/investigations/preprocess_throughput.py \
+        [--data-dir ../shared/data/wikitext-2] [--repeat 8]
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import _path  # noqa: F401 (the benchmarks' folder on the path)
 import report
 
 

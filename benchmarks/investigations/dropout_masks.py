@@ -10,7 +10,7 @@ Three measurements, each against its baseline in the same run:
    alternating, each run with an empty compile cache (a first run): wall time, the median logged step time after
    the first window, and the validation accuracy.
 
-    .venv/bin/python benchmarks/dropout_masks.py --baseline 12b208f \\
+    .venv/bin/python benchmarks/investigations/dropout_masks.py --baseline 12b208f \\
         --train runs/bench-finetune/sentences/defaults/train.csv --valid .../valid.csv --reps 2
 """
 
@@ -30,8 +30,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(Path(__file__).parent))
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the benchmarks' shared modules
 
 from step_speed import _drop_worktree, _step_time, _worktree  # noqa: E402
 

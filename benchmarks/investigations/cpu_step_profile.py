@@ -10,7 +10,8 @@ element-wise fusions. XLA runs some products asynchronously (a `dot` thunk on Ei
 their events cover only the dispatch, and their work shows in the time of the operations that run beside them;
 the table counts them apart.
 
-    .venv/bin/python benchmarks/cpu_step_profile.py --name cpu_step_profile_jsquad_zen4 -- finetune --task embedding \
+    .venv/bin/python benchmarks/investigations/cpu_step_profile.py --name cpu_step_profile_jsquad_zen4 -- \
+        finetune --task embedding \
         --model MINILM --data runs/bench-embedding/jsquad_retrieval_128_frac0.5/train.csv ... --train.epochs=0.25
 """
 
@@ -29,7 +30,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the benchmarks' shared modules
 
 from finetune_end_to_end import cpu_model  # noqa: E402
 from report import save  # noqa: E402

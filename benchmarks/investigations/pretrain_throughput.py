@@ -6,7 +6,7 @@ steps. The bertforge rows switch its levers one at a time: the vocabulary projec
 (sparse head) and bf16 matmuls with fp32 accumulation. MFU counts the FLOPs each variant needs (a sparse head
 projects 15% of the positions) against the device's peak (for a CPU, a measured large-matmul rate).
 
-    .venv/bin/python benchmarks/pretrain_throughput.py [--presets mini small] [--device cpu|gpu]
+    .venv/bin/python benchmarks/investigations/pretrain_throughput.py [--presets mini small] [--device cpu|gpu]
 
 On a GPU the transformers rows add torch.compile with bf16 autocast, and the PyTorch processes see no GPU through
 JAX (JAX_PLATFORMS=cpu), so that only PyTorch holds its memory. Every child process runs with the interpreter
@@ -22,6 +22,7 @@ import subprocess
 import sys
 import time
 
+import _path  # noqa: F401 (the benchmarks' folder on the path)
 import numpy as np
 import report
 

@@ -12,9 +12,10 @@ the losses of 20 pretraining steps (logged at every step), the safetensors of th
 model and out-of-fold predictions of a fine-tuning run (`--identical-only` stops after that check, `--timing-only`
 skips it).
 
-    .venv/bin/python benchmarks/step_speed.py --baseline ebc86d9 \
+    .venv/bin/python benchmarks/investigations/step_speed.py --baseline ebc86d9 \
         --corpus wikitext-2/valid.txt --table commonlit/train.csv --reps 3
-    .venv/bin/python benchmarks/step_speed.py --baseline f07668c --corpus ... --table ... --dtype bfloat16
+    .venv/bin/python benchmarks/investigations/step_speed.py --baseline f07668c --corpus ... --table ... \
+        --dtype bfloat16
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(Path(__file__).parent))
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the benchmarks' shared modules
 
 
 def _cli(tree: Path, *args: str, cwd: Path) -> None:

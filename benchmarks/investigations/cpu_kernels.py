@@ -12,7 +12,7 @@ with (runtime/allocator.py). Alone, a program's outputs over glibc's mmap thresh
 in at every call under the defaults, which a product or an attention of tens of megabytes pays in full; the
 tunables keep that memory. Both libraries run on the same 2 threads.
 
-    .venv/bin/python benchmarks/cpu_kernels.py
+    .venv/bin/python benchmarks/investigations/cpu_kernels.py
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 # (model, tokens of a micro-batch, hidden, intermediate): MiniLM's packed NER micro-batch (17 x 128), the Japanese
 # BERT mini's (12 x 128), and the short-text task's (5 x 64).

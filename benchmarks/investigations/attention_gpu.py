@@ -14,7 +14,7 @@ Times are the median over repeats of a loop of jitted calls, per call. Numerics:
 of the output and of the gradients of q, k, v (for a random output cotangent) from the plain formula computed in
 float32 at the highest matmul precision from the same bf16 inputs (dropout variants excluded).
 
-    python benchmarks/attention_gpu.py [--batch 32] [--seq-lens 128 512] [--heads 12] [--head-dim 64]
+    python benchmarks/investigations/attention_gpu.py [--batch 32] [--seq-lens 128 512] [--heads 12] [--head-dim 64]
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import argparse
 import statistics
 import time
 
+import _path  # noqa: F401 (the benchmarks' folder on the path)
 import jax
 import jax.numpy as jnp
 import report

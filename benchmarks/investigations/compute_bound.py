@@ -16,10 +16,11 @@ this machine in float32 by any implementation whose products run no faster than 
 Also shown: the baseline's arithmetic at its own padding (random batches padded to their longest text, every
 position of every layer; the mean over 20 shuffles), which is what its steps compute.
 
-    .venv/bin/python benchmarks/compute_bound.py --task commonlit --data data/commonlit/train.csv \
+    .venv/bin/python benchmarks/investigations/compute_bound.py --task commonlit --data data/commonlit/train.csv \
         --folds runs/bench-finetune/commonlit/bertforge-hf-256-seed0/folds.csv \
         --results benchmarks/results/finetune_commonlit_hf_cold_zen4_1206.json
-    .venv/bin/python benchmarks/compute_bound.py --task jsquad --data data/jglue/jsquad-v1.3/valid-v1.3.json \
+    .venv/bin/python benchmarks/investigations/compute_bound.py --task jsquad \
+        --data data/jglue/jsquad-v1.3/valid-v1.3.json \
         --results benchmarks/results/jsquad_retrieval_128_frac0.5_zen4_1206.json
 """
 
@@ -38,8 +39,8 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(Path(__file__).parent))
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the benchmarks' shared modules
 
 from finetune_end_to_end import _minilm, cpu_model  # noqa: E402
 

@@ -5,7 +5,7 @@ at the wall time it was written). Also a larger batch, constant and ramped (Cram
 layers with ModernBERT's recipe) and sequence packing (documents' own blocks, DOC-SENTENCES: padded rows against
 packed rows).
 
-    .venv/bin/python benchmarks/pretrain_levers.py --data data/wikitext-2/*.txt [--minutes 5]
+    .venv/bin/python benchmarks/investigations/pretrain_levers.py --data data/wikitext-2/*.txt [--minutes 5]
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import _path  # noqa: F401 (the benchmarks' folder on the path)
 import numpy as np
 from pretrain_quality import BERTFORGE, ROOT, bertforge_command, evaluate, prepare, train_rows
 

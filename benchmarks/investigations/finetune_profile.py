@@ -11,11 +11,12 @@ Tasks: `docstrings` and `sentences`, short texts every machine has (which standa
 its first sentence, comes from: short_texts.py), and `commonlit` (the CommonLit Readability training set, its
 excerpts of 158-314 tokens: give --data).
 
-    .venv/bin/python benchmarks/finetune_profile.py --task docstrings
-    .venv/bin/python benchmarks/finetune_profile.py --task sentences
-    .venv/bin/python benchmarks/finetune_profile.py --task commonlit --data data/commonlit/train.csv
-    .venv/bin/python benchmarks/finetune_profile.py --task sentences --dtype bfloat16   # bf16 compute
-    .venv/bin/python benchmarks/finetune_profile.py --task sentences --recipe defaults --epochs 1 --max-length 64 \
+    .venv/bin/python benchmarks/investigations/finetune_profile.py --task docstrings
+    .venv/bin/python benchmarks/investigations/finetune_profile.py --task sentences
+    .venv/bin/python benchmarks/investigations/finetune_profile.py --task commonlit --data data/commonlit/train.csv
+    .venv/bin/python benchmarks/investigations/finetune_profile.py --task sentences --dtype bfloat16   # bf16 compute
+    .venv/bin/python benchmarks/investigations/finetune_profile.py --task sentences --recipe defaults --epochs 1 \
+        --max-length 64 \
         --cold-cache   # finetune_end_to_end.py's defaults recipe, a first run
 
 `--recipe defaults` runs the command as finetune_end_to_end.py's defaults recipe does (bertforge's defaults, a
@@ -37,9 +38,10 @@ import sys  # noqa: E402
 from collections import defaultdict  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+import _path  # noqa: E402, F401 (the benchmarks' folder on the path)
 from short_texts import TASKS, write_task  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs/finetune/commonlit-minilm.yaml"
 
 
