@@ -11,21 +11,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from bertforge.cli import COMMANDS, build_parser
+from bertforge.cli import COMMANDS, build_parser, command_parsers
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "cli.md"
-
-
-def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
-    """Each command's parser by its full name (`tokenizer train`)."""
-    out: dict[str, argparse.ArgumentParser] = {}
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for name, sub in action.choices.items():
-                inner = _subparsers(sub)
-                out.update({f"{name} {k}": v for k, v in inner.items()} if inner else {name: sub})
-    return out
 
 
 def _cell(text: str | None) -> str:
@@ -54,7 +43,7 @@ def command_section(name: str, parser: argparse.ArgumentParser) -> list[str]:
 
 def page() -> str:
     parser = build_parser()
-    parsers = _subparsers(parser)
+    parsers = command_parsers(parser)
     lines = [
         "# Command-line reference",
         "",

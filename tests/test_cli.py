@@ -27,7 +27,7 @@ from transformers import (
 )
 
 import bertforge
-from bertforge.cli import COMMANDS, build_parser, main, parse
+from bertforge.cli import COMMANDS, build_parser, command_parsers, main, parse
 from bertforge.flags import OPTIONS
 
 
@@ -290,17 +290,6 @@ def test_shortened_demo_runs_end_to_end(wordpiece_dir, tmp_path, capsys):
 
 
 # ---------------------------------------------------------------------------------------------------- flags
-def _subparsers(parser):
-    """{command name: its parser}, the `tokenizer train` kind included."""
-    found = {}
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for name, sub in action.choices.items():
-                inner = _subparsers(sub)
-                found.update({f"{name} {k}": v for k, v in inner.items()} if inner else {name: sub})
-    return found
-
-
 def _leaf_defaults(cls, default=dataclasses.MISSING, prefix=""):
     """{dotted path: default} of every leaf field, a section's fields taking the section's default."""
     hints = typing.get_type_hints(cls)
@@ -322,7 +311,7 @@ def _leaf_defaults(cls, default=dataclasses.MISSING, prefix=""):
 
 
 def test_every_flag_default_is_its_config_fields_default():
-    parsers = _subparsers(build_parser())
+    parsers = command_parsers(build_parser())
     assert set(parsers) == set(COMMANDS)
     for name, sub in parsers.items():
         command = COMMANDS[name]
@@ -424,7 +413,7 @@ def test_flag_mistakes_get_one_line_errors(capsys):
 def test_every_flag_says_what_it_does(name):
     """Each flag's help is its own field's comment, not only its default: a comment above a run of fields names
     the first field alone, so a field that shares one shows a bare flag or another field's description."""
-    sub = _subparsers(build_parser({name}))[name]
+    sub = command_parsers(build_parser({name}))[name]
     bare = []
     for action in sub._actions:
         flag = action.option_strings[0] if action.option_strings else ""
@@ -441,7 +430,7 @@ def test_help_lists_every_flag_with_its_default(name, capsys):
         main([*name.split(), "--help"])
     assert exit_.value.code == 0
     out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
-    sub = _subparsers(build_parser({name}))[name]
+    sub = command_parsers(build_parser({name}))[name]
     for action in sub._actions:
         shown = action.option_strings[0] if action.option_strings else action.metavar
         assert shown in out, (name, shown)

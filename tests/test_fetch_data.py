@@ -39,11 +39,17 @@ def entry_for(data: bytes, **kw) -> object:
     return fetch.DataFile(sha256=hashlib.sha256(data).hexdigest(), size=len(data), **fields)
 
 
-def test_a_mirror_is_copied_once_checked(tmp_path, monkeypatch, capsys):
-    mirror, out = tmp_path / "mirror", tmp_path / "data"
+def toy_mirror(tmp_path: Path, monkeypatch, holds: bytes) -> tuple[Path, Path]:
+    """A mirror whose one file holds `holds`, a manifest that expects b"the text\\n" there; (mirror, out)."""
+    mirror = tmp_path / "mirror"
     (mirror / "toy").mkdir(parents=True)
-    (mirror / "toy/file.txt").write_bytes(b"the text\n")
+    (mirror / "toy/file.txt").write_bytes(holds)
     monkeypatch.setattr(fetch, "MANIFEST", (entry_for(b"the text\n"),))
+    return mirror, tmp_path / "data"
+
+
+def test_a_mirror_is_copied_once_checked(tmp_path, monkeypatch, capsys):
+    mirror, out = toy_mirror(tmp_path, monkeypatch, b"the text\n")
     assert fetch.main(["--from", str(mirror), "--out", str(out)]) == 0
     assert (out / "toy/file.txt").read_bytes() == b"the text\n"
     assert fetch.main(["--from", str(mirror), "--out", str(out)]) == 0
@@ -51,10 +57,7 @@ def test_a_mirror_is_copied_once_checked(tmp_path, monkeypatch, capsys):
 
 
 def test_a_file_that_does_not_match_is_refused_by_name_and_nothing_is_placed(tmp_path, monkeypatch, capsys):
-    mirror, out = tmp_path / "mirror", tmp_path / "data"
-    (mirror / "toy").mkdir(parents=True)
-    (mirror / "toy/file.txt").write_bytes(b"another text\n")
-    monkeypatch.setattr(fetch, "MANIFEST", (entry_for(b"the text\n"),))
+    mirror, out = toy_mirror(tmp_path, monkeypatch, b"another text\n")
     assert fetch.main(["--from", str(mirror), "--out", str(out)]) == 1
     err = capsys.readouterr().err
     assert f"{mirror / 'toy/file.txt'}: SHA-256" in err and "not the file the docs use" in err

@@ -315,6 +315,17 @@ def build_parser(commands: Collection[str] | None = None) -> argparse.ArgumentPa
     return parser
 
 
+def command_parsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """Each command's parser in `parser` (build_parser's) by its full name, `tokenizer train` included."""
+    found: dict[str, argparse.ArgumentParser] = {}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                inner = command_parsers(sub)
+                found.update({f"{name} {k}": v for k, v in inner.items()} if inner else {name: sub})
+    return found
+
+
 def parse(argv: Sequence[str]) -> tuple[Any, argparse.Namespace]:
     """The stage's config and the parsed arguments (`args.stage` is the Command); a mistake is a UserError."""
     parser = build_parser(_named(argv))
