@@ -82,6 +82,17 @@ def _quality(value: float) -> str:
     return f"{value:.4f}" if abs(value) < 10 else f"{value:.1f}"
 
 
+def _compared(ours: dict, ref: dict | None) -> str:
+    """The cells both tables give a comparison: the reference, both times, "x the time", the metric, both scores,
+    the seeds."""
+    name = "-" if ref is None else f"{ref['system']}, {ref['variant']}"
+    time = "-" if ref is None else f"{ref['wall_s']:.0f} s"
+    ratio = "-" if ref is None else f"{ours['wall_s'] / ref['wall_s']:.2f}x"
+    quality = "-" if ref is None else _quality(ref["value"])
+    return (f"{name} | {ours['wall_s']:.0f} s | {time} | {ratio} | {ours['metric']} | {_quality(ours['value'])} "
+            f"| {quality} | {len(ours['seeds'])}")  # fmt: skip
+
+
 def render_table(lines: list[dict], rows: tuple[tuple[str, str, str], ...] = README_ROWS) -> str:
     """The results table: one row per (benchmark, recipe) and machine, one number per cell, the ratio against the
     faster reference as "x the time"."""
@@ -93,13 +104,8 @@ def render_table(lines: list[dict], rows: tuple[tuple[str, str, str], ...] = REA
     for benchmark, recipe, label in rows:
         for machine, run in sorted(latest_runs(lines, benchmark, recipe).items()):
             ours, ref = comparison(run)
-            name = "-" if ref is None else f"{ref['system']}, {ref['variant']}"
-            time = "-" if ref is None else f"{ref['wall_s']:.0f} s"
-            ratio = "-" if ref is None else f"{ours['wall_s'] / ref['wall_s']:.2f}x"
-            quality = "-" if ref is None else _quality(ref["value"])
-            out.append(f"| {label} | {machine_name(machine)} | {ours['cache']} | {name} | {ours['wall_s']:.0f} s "
-                       f"| {time} | {ratio} | {ours['metric']} | {_quality(ours['value'])} | {quality} "
-                       f"| {len(ours['seeds'])} | {ours['date']}, {ours['commit']} |")  # fmt: skip
+            out.append(f"| {label} | {machine_name(machine)} | {ours['cache']} | {_compared(ours, ref)} "
+                       f"| {ours['date']}, {ours['commit']} |")  # fmt: skip
     return "\n".join(out)
 
 
@@ -121,12 +127,7 @@ def render_readme(lines: list[dict], rows: tuple[tuple[str, str, str], ...] = RE
                 "| task | reference | bertforge | reference's time | x the time | metric | bertforge | reference "
                 "| seeds |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
         for label, ours, ref in found:
-            name = "-" if ref is None else f"{ref['system']}, {ref['variant']}"
-            time = "-" if ref is None else f"{ref['wall_s']:.0f} s"
-            ratio = "-" if ref is None else f"{ours['wall_s'] / ref['wall_s']:.2f}x"
-            quality = "-" if ref is None else _quality(ref["value"])
-            out.append(f"| {label} | {name} | {ours['wall_s']:.0f} s | {time} | {ratio} | {ours['metric']} "
-                       f"| {_quality(ours['value'])} | {quality} | {len(ours['seeds'])} |")  # fmt: skip
+            out.append(f"| {label} | {_compared(ours, ref)} |")
         out.append("")
     return "\n".join(out).rstrip("\n")
 

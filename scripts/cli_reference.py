@@ -23,7 +23,7 @@ def _cell(text: str | None) -> str:
 
 def _flag(action: argparse.Action) -> str:
     names = ", ".join(f"`{s}`" for s in action.option_strings) or f"`{action.metavar or action.dest}`"
-    if action.choices and not isinstance(action, argparse._SubParsersAction):
+    if action.choices:
         names += " (" + ", ".join(f"`{c}`" for c in action.choices) + ")"
     return names + (" (required)" if action.required else "")
 

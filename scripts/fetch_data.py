@@ -110,7 +110,8 @@ def _fetch(entry: DataFile, mirror: Path | None, archives: dict[str, bytes]) -> 
 
 
 def _place(path: Path, data: bytes) -> None:
-    """Write `data` beside `path`, then rename it there: data/ never holds a part of a file."""
+    """Write `data` beside `path`, then rename it there: data/ never holds a part of a file. The standard library's
+    own, not bertforge.fileio's: `make data` runs with the system's Python, before any .venv exists."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from bertforge.cli import _named, build_parser
+from bertforge.cli import _named, build_parser, command_parsers
 from bertforge.errors import UserError
 from bertforge.flags import build_config
 
@@ -84,12 +84,9 @@ def commands() -> list[tuple[str, list[str], bool]]:
 
 
 def relax(parser: argparse.ArgumentParser) -> None:
-    """No flag or positional argument required, in the parser and its subcommands."""
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for sub in action.choices.values():
-                relax(sub)
-        elif action.dest != "command" and action.dest != "action":
+    """No flag or positional argument of any command required (the command's name still is)."""
+    for command in command_parsers(parser).values():
+        for action in command._actions:
             action.required = False
             if not action.option_strings and action.nargs is None:
                 action.nargs = "?"
