@@ -1,20 +1,23 @@
 """How fast a fine-tuning run can be on this CPU in float32: the least arithmetic an exact run of a task must do,
 against the fastest float32 matrix products this machine runs, measured in the same process.
 
-For a task and a results file of the end-to-end benchmarks (finetune_end_to_end.py's CommonLit, or
-embedding_models.py's JSQuAD retrieval), it counts the model FLOPs that any exact run of the same training must
-compute at the least: every text's own tokens, no padding, attention within each text; where the head reads only
-the first token (CommonLit's regression), the last layer's other positions only as keys and values; the
-evaluations' forwards (training counts 3x a forward: the forward, and the backward's two products per product).
-Dividing them by a time (a system's measured wall time, or a target ratio of the baseline's: 0.5x its wall, all of
-it given to arithmetic, none to start-up, compilation or saves) gives the rate of useful arithmetic that time
-means. Beside it, measured in the same process: the rate of a typical step's products if each ran at the faster
-of XLA's and PyTorch's best rates for its shape (the attention's: its batched products, or PyTorch's fused kernel
-if faster), and the fastest float32 square products (1024 to 4096). A run also spends time on norms, softmax,
-activations, the optimizer, start-up and compilation, so a needed rate above the products' cannot be reached on
-this machine in float32 by any implementation whose products run no faster than the faster of the two libraries.
+For a task and a results file of the end-to-end benchmarks (finetune_end_to_end.py's CommonLit and short sentences,
+or embedding_models.py's JSQuAD retrieval), it counts the model FLOPs that any exact run of the same training must
+compute at the least: every text's own tokens, no padding, attention within each text; where the head reads only the
+first token (CommonLit's regression, the sentences' classes), the last layer's other positions only as keys and
+values; the evaluations' forwards (training counts 3x a forward: the forward, and the backward's two products per
+product). Dividing them by a time (a system's measured wall time, or a target ratio of the baseline's: 0.5x its
+wall, all of it given to arithmetic, none to start-up, compilation or saves) gives the rate of useful arithmetic
+that time means. Beside it, measured in the same process: the rate of a typical step's products if each ran at the
+faster of XLA's and PyTorch's best rates for its shape (the attention's: its batched products, or PyTorch's fused
+kernel if faster), and the fastest float32 square products (1024 to 4096). A run also spends time on norms, softmax,
+activations, the optimizer, start-up and compilation, so a needed rate above the products' cannot be reached on this
+machine in float32 by any implementation whose products run no faster than the faster of the two libraries.
 Also shown: the baseline's arithmetic at its own padding (random batches padded to their longest text, every
 position of every layer; the mean over 20 shuffles), which is what its steps compute.
+With `--metrics` (a bertforge run's metrics.jsonl), its training step is set beside that ceiling: the median of its
+logged windows' step times after the first (which holds the compilation) against the time the same step's products
+take at the faster library's rates, at the rows and length bertforge's log says it packs a step into.
 
     .venv/bin/python benchmarks/investigations/compute_bound.py --task commonlit --data data/commonlit/train.csv \
         --folds runs/bench-finetune/commonlit/bertforge-hf-256-seed0/folds.csv \
@@ -22,6 +25,11 @@ position of every layer; the mean over 20 shuffles), which is what its steps com
     .venv/bin/python benchmarks/investigations/compute_bound.py --task jsquad \
         --data data/jglue/jsquad-v1.3/valid-v1.3.json \
         --results benchmarks/results/jsquad_retrieval_128_frac0.5_zen4_1206.json
+    .venv/bin/python benchmarks/investigations/compute_bound.py --task sentences \
+        --data runs/bench-finetune/sentences/defaults/train.csv \
+        --valid-data runs/bench-finetune/sentences/defaults/valid.csv --rows 5 --length 64 \
+        --results benchmarks/results/finetune_sentences_hf_64_cold_defaults_zen3_1207.json \
+        --metrics RUN/fold-0/metrics.jsonl   # a `bertforge finetune` run of the same table
 """
 
 from __future__ import annotations
@@ -117,6 +125,33 @@ def jsquad_work(data: str, max_length: int, fraction: float) -> Work:
     # Longest first, the order in which sentence-transformers encodes them.
     valid_lengths = sorted(_lengths(valid_texts, max_length), reverse=True)
     return Work(pairs, valid_lengths, epochs=1, batch=32, evaluations=1, baseline_evaluations=1, first_only=False)
+
+
+def sentences_work(data: str, valid: str, max_length: int) -> Work:
+    """finetune_end_to_end.py's short sentences with --recipe defaults: 1 epoch of batches of 16 over its training
+    table, one evaluation of its validation table; a head that reads the first token."""
+
+    def texts(path: str) -> list[str]:
+        with open(path, newline="", encoding="utf-8") as fh:
+            return [r["text"] for r in csv.DictReader(fh)]
+
+    train = [[n] for n in _lengths(texts(data), max_length)]
+    return Work(train, _lengths(texts(valid), max_length), epochs=1, batch=16, evaluations=1, baseline_evaluations=1,
+                first_only=True)  # fmt: skip
+
+
+def logged_step_s(metrics: str) -> float:
+    """The median step time of a bertforge run's logged windows, the first (its compilation) left out."""
+    windows = [json.loads(line) for line in Path(metrics).read_text().splitlines()]
+    times = [w["step_time"] for w in windows if "step_time" in w][1:]
+    if not times:
+        raise SystemExit(f"{metrics}: no logged step times after the first window")
+    return statistics.median(times)
+
+
+def step_flops(cfg: ModelConfig, rows: int, length: int) -> float:
+    """The FLOPs of a training step's products on `rows` x `length` tokens (step_products)."""
+    return sum(2.0 * c * b * m * k * n for c, b, m, k, n in step_products(cfg, rows, length))
 
 
 def least_flops(work: Work, cfg: ModelConfig) -> dict[str, float]:
@@ -290,35 +325,53 @@ def _rows(work: Work, cfg: ModelConfig, walls: dict[str, float], ratio: float) -
     return rows, counts
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--task", choices=["commonlit", "jsquad"], required=True)
-    p.add_argument("--data", required=True, help="commonlit: the competition's train.csv; jsquad: valid-v1.3.json")
-    p.add_argument("--folds", help="commonlit: the folds.csv that the end-to-end benchmark's bertforge run wrote")
-    p.add_argument("--results", required=True, help="the end-to-end benchmark's results .json (its wall times)")
-    p.add_argument("--ratio", type=float, default=0.5, help="the target: this fraction of the baseline's wall time")
-    p.add_argument("--max-length", type=int, default=None, help="default: 256 (commonlit), 128 (jsquad)")
-    p.add_argument("--train-fraction", type=float, default=0.5)
-    p.add_argument("--rows", type=int, default=None, help="a step's rows for its products; default 16 / 38")
-    p.add_argument("--length", type=int, default=None, help="their length; default 224 (commonlit) / 128 (jsquad)")
-    p.add_argument("--name", default=None, help="results name; default compute_bound_<task>")
-    args = p.parse_args()
+# Per task: its default maximum length, and a typical step of bertforge's (CommonLit's median rung, JSQuAD's packed
+# batches, the short sentences' packed micro-batch).
+STEP = {"commonlit": (256, 16, 224), "jsquad": (128, 38, 128), "sentences": (64, 5, 64)}
+
+
+def _work(p: argparse.ArgumentParser, args: argparse.Namespace) -> Work:
+    max_length = args.max_length or STEP[args.task][0]
     if args.task == "commonlit":
         if not args.folds:
             p.error("--task commonlit needs --folds")
-        work = commonlit_work(args.data, args.folds, args.max_length or 256)
-    else:
-        work = jsquad_work(args.data, args.max_length or 128, args.train_fraction)
+        return commonlit_work(args.data, args.folds, max_length)
+    if args.task == "sentences":
+        if not args.valid_data:
+            p.error("--task sentences needs --valid-data")
+        return sentences_work(args.data, args.valid_data, max_length)
+    return jsquad_work(args.data, max_length, args.train_fraction)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--task", choices=list(STEP), required=True)
+    p.add_argument(
+        "--data",
+        required=True,
+        help="commonlit: the competition's train.csv; jsquad: valid-v1.3.json; sentences: train.csv",
+    )
+    p.add_argument("--valid-data", help="sentences: the validation table finetune_end_to_end.py wrote")
+    p.add_argument("--folds", help="commonlit: the folds.csv that the end-to-end benchmark's bertforge run wrote")
+    p.add_argument("--results", required=True, help="the end-to-end benchmark's results .json (its wall times)")
+    p.add_argument("--metrics", help="a bertforge run's metrics.jsonl: its step beside the products' ceiling")
+    p.add_argument("--ratio", type=float, default=0.5, help="the target: this fraction of the baseline's wall time")
+    p.add_argument("--max-length", type=int, default=None, help="default: 256 / 128 / 64 (per --task)")
+    p.add_argument("--train-fraction", type=float, default=0.5)
+    p.add_argument("--rows", type=int, default=None, help="a step's rows for its products; default 16 / 38 / 5")
+    p.add_argument("--length", type=int, default=None, help="their length; default 224 / 128 / 64")
+    p.add_argument("--name", default=None, help="results name; default compute_bound_<task>")
+    args = p.parse_args()
+    work = _work(p, args)
     config = Path(_minilm()) / "config.json"
     cfg, _ = config_from_hf(json.loads(config.read_text()), str(config))
     rows, counts = _rows(work, cfg, _walls(args.results), args.ratio)
-    # A typical step of bertforge's: CommonLit's median rung; JSQuAD's packed batches.
-    step_rows, length = (
-        args.rows or (16 if args.task == "commonlit" else 38),
-        args.length or (224 if args.task == "commonlit" else 128),
-    )
+    step_rows, length = args.rows or STEP[args.task][1], args.length or STEP[args.task][2]
     ceiling, shapes = products_rate(cfg, step_rows, length)
     counts |= {"step_rows": step_rows, "step_length": length, "products_gflops": ceiling}
+    if args.metrics:
+        step_s, ceiling_s = logged_step_s(args.metrics), step_flops(cfg, step_rows, length) / ceiling / 1e9
+        counts |= {"bertforge_step_s": step_s, "products_step_s": ceiling_s, "of_ceiling": ceiling_s / step_s}
     _report(args, rows, counts, square_rates(), shapes)
 
 
@@ -343,6 +396,10 @@ def _report(args: argparse.Namespace, rows: list[dict], counts: dict, squares: d
               f"{needed:.0f} GFLOP/s of it from start to end: {needed / ceiling:.2f}x the rate of a step's products "
               f"alone, each at the faster library's rate ({ceiling:.0f} GFLOP/s), and "
               f"{needed / best:.2f}x the fastest square product ({best:.0f})."]  # fmt: skip
+    if "bertforge_step_s" in counts:
+        lines += ["", f"bertforge's training step ({step} tokens, the median of its logged windows after the first): "
+                  f"{counts['bertforge_step_s'] * 1e3:.0f} ms; its products at the faster library's rates: "
+                  f"{counts['products_step_s'] * 1e3:.0f} ms, {counts['of_ceiling']:.2f} of the step."]  # fmt: skip
     title = (
         f"The least arithmetic of the {args.task} benchmark (all-MiniLM-L6-v2, float32) against this machine's "
         f"float32 products, 2 CPU cores ({cpu_model()}); wall times from {Path(args.results).name}"
