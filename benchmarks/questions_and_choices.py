@@ -24,7 +24,9 @@ time is the wall time of the whole process (start-up, tokenization, compilation,
    summary.json's `out_of_fold`.
 2. transformers: run_qa as its users run it: a fast AutoTokenizer with truncation="only_second", the stride,
    return_overflowing_tokens and every row padded to the maximum length (run_qa's default pad_to_max_length; the
-   tuned reference pads each batch to its longest, run_qa's --pad_to_max_length false, and groups batches by length),
+   tuned reference pads each batch to its longest, run_qa's --pad_to_max_length false, its batches drawn at random:
+   grouped by length, the windows of one length trained together, the reference lost two thirds of its F1 here, see
+   docs/notes/questions-and-choices.md),
    start and end positions as run_qa labels them (the CLS token when the answer is not inside the window),
    AutoModelForQuestionAnswering, default_data_collator, and run_qa's post-processing (the 20 best starts and
    ends of each window, answers inside the context of at most 30 tokens, the best over the windows). run_swag for
@@ -54,6 +56,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).parent))
 
+import same_work  # noqa: E402
 from finetune_end_to_end import _minilm, _spread, cpu_model  # noqa: E402
 from task_recipe import (  # noqa: E402
     add_options,
@@ -141,7 +144,8 @@ def _hf(args: argparse.Namespace, work: Path, out: Path, reference: str = "tuned
     cmd += ["--stride", str(args.stride), "--epochs", str(args.epochs), "--lr", str(args.lr)]
     cmd += ["--seeds", str(args.seed), "--device", args.device] + (["--bf16"] if args.bf16 else [])
     cmd += ["--reference", reference]
-    return {**run_worker(cmd, out), "variant": reference}
+    variant = "tuned, dynamic padding" if args.task == QA and reference == "tuned" else reference
+    return {**run_worker(cmd, out), "variant": variant}
 
 
 def squad_examples(path: Path) -> list[dict]:
@@ -265,7 +269,8 @@ def hf_worker(args: argparse.Namespace) -> None:
                        data_collator=collator or default_data_collator, compute_metrics=compute,
                        callbacks=callbacks)  # fmt: skip
 
-    out = train_reference(args, make, len(train), "f1" if args.task == QA else "accuracy")
+    # run_qa's tuned reference pads each batch to its longest without grouping batches by length (see the docstring).
+    out = train_reference(args, make, len(train), "f1" if args.task == QA else "accuracy", grouped=args.task != QA)
     out |= {"train_rows": len(train), "valid_rows": len(valid)}
     if args.task == QA:
         out["exact_match"] = out["evaluation"]["eval_exact_match"]
@@ -339,7 +344,8 @@ def main() -> None:
     print(f"split: {counts}", flush=True)
     # Multiple choice: group_by_length measures a row by its number of choices, so only the shipped Trainer runs.
     references = args.references if args.task == QA else ["shipped"]
-    systems = [("bertforge", _bertforge), *reference_systems(_hf, references)]
+    padded = {"tuned": f"{same_work.TRAINER}, dynamic padding"}  # run_qa's tuning: no grouping (see the docstring)
+    systems = [("bertforge", _bertforge), *reference_systems(_hf, references, padded if args.task == QA else None)]
     rows = run_seeds(args, name, work, counts, systems)
     index(args, "questions_and_choices", name, "f1" if args.task == QA else "accuracy", rows)
     _report(args, name, rows)

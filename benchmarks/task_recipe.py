@@ -80,9 +80,9 @@ def run_worker(cmd: list[str], out: Path) -> dict:
     return {**json.loads((out / "result.json").read_text()), "wall_s": wall}
 
 
-def training_args(args: argparse.Namespace, work: dict[str, Any], **extra: Any):
+def training_args(args: argparse.Namespace, work: dict[str, Any], grouped: bool = True, **extra: Any):
     """The Trainer's arguments of the shared recipe, with bertforge's steps, evaluations and checkpoints (`work`,
-    from same_work.plan) and no others; args.reference "tuned" groups batches by length."""
+    from same_work.plan) and no others; args.reference "tuned" groups batches by length, where `grouped`."""
     from transformers import TrainingArguments
 
     return TrainingArguments(
@@ -97,7 +97,7 @@ def training_args(args: argparse.Namespace, work: dict[str, Any], **extra: Any):
         adam_beta2=0.999,
         adam_epsilon=1e-8,
         max_grad_norm=1.0,
-        train_sampling_strategy="group_by_length" if args.reference == "tuned" else "random",
+        train_sampling_strategy="group_by_length" if grouped and args.reference == "tuned" else "random",
         logging_steps=10,
         report_to="none",
         use_cpu=args.device == "cpu",
@@ -109,17 +109,18 @@ def training_args(args: argparse.Namespace, work: dict[str, Any], **extra: Any):
     )
 
 
-def train_reference(args: argparse.Namespace, make_trainer: Callable[..., Any], train_rows: int, metric: str
-                    ) -> dict[str, Any]:  # fmt: skip
+def train_reference(args: argparse.Namespace, make_trainer: Callable[..., Any], train_rows: int, metric: str,
+                    grouped: bool = True) -> dict[str, Any]:  # fmt: skip
     """Build the Trainer with `make_trainer(training_arguments, callbacks)` for `train_rows` training rows (one
     evaluation an epoch, as bertforge's command here), train it, and write its best model once (same_work.finish);
-    -> the result's common fields, with `evaluation`: the best logged evaluation."""
+    -> the result's common fields, with `evaluation`: the best logged evaluation. `grouped`: the tuned reference
+    groups its batches by length."""
     import torch
 
     work = same_work.plan(train_rows, args.batch_size, args.epochs, 1)
     callback, eval_s = progress()
     same = same_work.trainer_callback(work)
-    trainer = make_trainer(training_args(args, work), [callback, same])
+    trainer = make_trainer(training_args(args, work, grouped), [callback, same])
     start = time.perf_counter()
     trainer.train()
     train_s = time.perf_counter() - start
@@ -164,9 +165,12 @@ def run_seeds(args: argparse.Namespace, name: str, work: Path, counts: dict,
     return rows
 
 
-def reference_systems(run: Callable[..., dict], variants: list[str]) -> list[tuple[str, Callable[..., dict]]]:
-    """The Trainer's systems, one per variant ("shipped", "tuned"): run(args, work, out, reference=variant)."""
-    return [(same_work.REFERENCES[v], functools.partial(run, reference=v)) for v in variants]
+def reference_systems(run: Callable[..., dict], variants: list[str], names: dict[str, str] | None = None
+                      ) -> list[tuple[str, Callable[..., dict]]]:  # fmt: skip
+    """The Trainer's systems, one per variant ("shipped", "tuned"): run(args, work, out, reference=variant);
+    `names` replaces a variant's row name where its tuning is not same_work's."""
+    names = {**same_work.REFERENCES, **(names or {})}
+    return [(names[v], functools.partial(run, reference=v)) for v in variants]
 
 
 def index(args: argparse.Namespace, benchmark: str, recipe: str, metric: str, rows: list[dict]) -> None:
