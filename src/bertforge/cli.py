@@ -12,7 +12,17 @@ from collections.abc import Collection, Sequence
 from typing import Any
 
 from bertforge.errors import report
-from bertforge.flags import Alias, Command, Formatter, Parser, Version, add_flags, build_config, options
+from bertforge.flags import (
+    Alias,
+    Command,
+    Formatter,
+    Parser,
+    Version,
+    add_flags,
+    build_config,
+    options,
+    passed_overrides,
+)
 from bertforge.runtime.allocator import NOTE as ALLOCATOR_NOTE
 
 
@@ -145,6 +155,19 @@ def _finetune(cfg: Any, args: argparse.Namespace) -> int:
     return 0
 
 
+def _suite(cfg: Any, args: argparse.Namespace) -> int:
+    from bertforge.tasks import scoreboard, suite
+
+    try:
+        board = suite.main(cfg, overrides=args.passed)
+    except suite.Stopped as e:
+        print(f"{e}; run the same command to continue", file=sys.stderr)
+        return 143
+    print(scoreboard.markdown(board), end="")
+    print(f"-> {cfg.out} (scoreboard.json, scoreboard.md, scoreboard.png, units/)")
+    return 0
+
+
 def _plan(cfg: Any, args: argparse.Namespace) -> int:
     from bertforge.tasks import plan
 
@@ -271,6 +294,14 @@ COMMANDS: dict[str, Command] = {
         ),
         yaml=True,
     ),
+    "suite": Command(
+        "fine-tune one encoder on every task of a suite (GLUE, JGLUE, a YAML file), seeds and learning rates, and "
+        "score it; the same command again skips what is done",
+        "bertforge.tasks.suite:SuiteConfig",
+        _suite,
+        "Fine-tuning's overrides such as --train.epochs=1 --head.pooling=mean follow the flags, for every task.",
+        passes=True,
+    ),
     "plan": Command(
         "memory per device of a pretraining config on a mesh, before running it",
         "bertforge.tasks.plan:PlanConfig",
@@ -332,6 +363,7 @@ def parse(argv: Sequence[str]) -> tuple[Any, argparse.Namespace]:
     args, extra = parser.parse_known_args(argv)
     if args.stage.remainder:
         extra = []  # everything after the command's own flags belongs to the command it runs
+    args.passed, extra = passed_overrides(extra) if args.stage.passes else ([], extra)
     cfg, args.config_data = build_config(args, extra)
     return cfg, args
 
