@@ -63,27 +63,22 @@ class Stopped(Exception):
 Runner = Callable[[list[str], Path], int]  # (command, log file) -> exit status
 
 
-def _die_with(parent: int) -> Callable[[], None] | None:
-    """Linux: make a unit's process die with the suite's (a kill -9 included), so that none runs on alone in its
-    run folder; a run again resumes it from its last checkpoint."""
+def dying_with(parent: int, cmd: list[str]) -> list[str]:
+    """`cmd`, started so that it dies with the process `parent`, a kill -9 included (Linux: prctl's parent-death
+    signal, which exec keeps), and none runs on alone in a run folder that a run again resumes; elsewhere as it is.
+    A wrapper rather than preexec_fn, which is not safe in a process with threads (a pretraining run's)."""
     if not sys.platform.startswith("linux"):
-        return None
-
-    def preexec() -> None:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        if os.getppid() != parent:  # the suite died before the line above
-            os._exit(137)
-
-    return preexec
+        return cmd
+    code = (f"import ctypes, os, sys; ctypes.CDLL(None).prctl(1, {int(signal.SIGKILL)}); "
+            f"os.getppid() == {parent} or os._exit(137); os.execv(sys.argv[1], sys.argv[1:])")  # fmt: skip
+    return [sys.executable, "-c", code, *cmd]
 
 
 def run_logged(cmd: list[str], log: Path) -> int:
     """Run `cmd` with its output appended to `log`; a SIGTERM or Ctrl-C this process gets is passed on to it, so
     that it saves its checkpoint and stops as a finetune stopped alone does."""
     with open(log, "ab") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, preexec_fn=_die_with(os.getpid()))
+        proc = subprocess.Popen(dying_with(os.getpid(), cmd), stdout=fh, stderr=subprocess.STDOUT)
         previous = signal.signal(signal.SIGTERM, lambda *_: proc.send_signal(signal.SIGTERM))
         try:
             while True:
