@@ -58,8 +58,6 @@ GLUE = {
 GLUE["MNLI/dev_mismatched.tsv"] = GLUE["MNLI/dev_matched.tsv"]
 
 JGLUE = {
-    "marc_ja-v1.3/train-v1.3.json": {
-        "sentence": "以前職場の方にこれをみて少し面白いと思った", "label": "positive", "review_id": "R2H83XHJUDZBHT"},
     "jsts-v1.3/train-v1.3.json": {
         "sentence_pair_id": "0", "yjcaptions_id": "10005_480798-10996-92616",
         "sentence1": "川べりでサーフボードを持った人たちがいます。",
@@ -100,7 +98,7 @@ def write_jglue(root: Path) -> Path:
 def test_shipped_suites_parse_with_their_tasks():
     glue, jglue = load_suite("glue"), load_suite("jglue")
     assert list(glue.tasks) == ["cola", "sst2", "mrpc", "stsb", "qqp", "mnli", "qnli", "rte"]
-    assert list(jglue.tasks) == ["marcja", "jsts", "jnli", "jsquad", "jcommonsenseqa"]
+    assert list(jglue.tasks) == ["jsts", "jnli", "jsquad", "jcommonsenseqa"]
     assert glue.tasks["cola"].metrics == ("matthews",) and glue.tasks["stsb"].metrics == ("pearson", "spearman")
     assert glue.tasks["mnli"].also == {"mismatched": "MNLI/dev_mismatched.tsv"}
     assert jglue.settings("jsquad") == {"max_length": 384, "epochs": 4.0, "batch_size": 32, "lrs": (2e-5, 3e-5, 5e-5)}
