@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from bertforge.config import from_dict, load_config, load_config_and_data, parse_overrides, parse_value
+from bertforge.data.suites import load_suite
 from bertforge.errors import UserError
 from bertforge.model.config import PRESETS, ModelConfig
 from bertforge.tasks.finetune import FinetuneConfig
@@ -27,6 +28,9 @@ def test_every_shipped_yaml_parses():
     files = shipped_configs()
     assert files, "no configs shipped"
     for path in files:
+        if path.parent.name == "suites":  # benchmark suites, read by `bertforge suite`
+            assert load_suite(str(path)).tasks
+            continue
         cfg = load_config(SCHEMAS[path.parent.name], path)
         assert dataclasses.is_dataclass(cfg)
 

@@ -14,8 +14,10 @@ from pathlib import Path
 import pytest
 
 from bertforge.cli import _named, build_parser, command_parsers
+from bertforge.config import load_config
 from bertforge.errors import UserError
-from bertforge.flags import build_config
+from bertforge.flags import build_config, passed_overrides
+from bertforge.tasks.finetune import FinetuneConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
@@ -101,6 +103,9 @@ def check(argv: list[str], whole: bool) -> None:
     args, extra = parser.parse_known_args(argv)
     if args.stage.remainder:
         return  # the rest belongs to the command it runs, itself a command of the docs where it is one
+    if args.stage.passes:  # fine-tuning's overrides, for every task of a suite: keys of its config
+        passed, extra = passed_overrides(extra)
+        load_config(FinetuneConfig, None, passed)
     if whole:
         build_config(args, extra)
     elif args.stage.yaml:

@@ -149,11 +149,15 @@ def test_metrics_match_scipy_and_sklearn():
     assert got["f1"] == pytest.approx(skm.f1_score(labels, logits.argmax(1), average="macro"))
     probs = np.exp(logits) / np.exp(logits).sum(axis=1, keepdims=True)
     assert got["auc"] == pytest.approx(skm.roc_auc_score(labels, probs, multi_class="ovr", average="macro"))
+    assert got["matthews"] == pytest.approx(skm.matthews_corrcoef(labels, logits.argmax(1)), rel=1e-12)
     binary = labels % 2
     two = np.stack([-logits[:, 1], logits[:, 1]], axis=1)
     got = metrics.classification(two, binary)
     assert got["f1"] == pytest.approx(skm.f1_score(binary, two.argmax(1)))
     assert got["auc"] == pytest.approx(skm.roc_auc_score(binary, two[:, 1] - two[:, 0]))
+    assert got["matthews"] == pytest.approx(skm.matthews_corrcoef(binary, two.argmax(1)), rel=1e-12)
+    # One class predicted: undefined, 0 as sklearn gives it (CoLA's score of a model that says "acceptable").
+    assert metrics.classification(np.tile([[0.0, 1.0]], (4, 1)), np.array([0, 1, 1, 0]))["matthews"] == 0.0
 
 
 def test_ranks_and_tied_scores_match_scipy_and_sklearn():

@@ -4,173 +4,25 @@ subcommand parses them into the config and calls the stage; nothing more."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
 import os
 import sys
 from collections.abc import Collection, Sequence
 from typing import Any
 
+from bertforge import stage_runs
 from bertforge.errors import report
-from bertforge.flags import Alias, Command, Formatter, Parser, Version, add_flags, build_config, options
+from bertforge.flags import (
+    Alias,
+    Command,
+    Formatter,
+    Parser,
+    Version,
+    add_flags,
+    build_config,
+    options,
+    passed_overrides,
+)
 from bertforge.runtime.allocator import NOTE as ALLOCATOR_NOTE
-
-
-def _model_keys(args: argparse.Namespace) -> list[str]:
-    """The model section's keys the config gave (without vocab_size the model takes the tokenizer's)."""
-    return list(args.config_data.get("model") or {})
-
-
-def _tokenizer_train(cfg: Any, args: argparse.Namespace) -> int:
-    from bertforge.tasks import tokenizer
-
-    tok = tokenizer.main(cfg, show_progress=sys.stderr.isatty())
-    print(f"trained a {cfg.kind} tokenizer with {tok.vocab_size} tokens -> {cfg.out}")
-    return 0
-
-
-def _preprocess(cfg: Any, args: argparse.Namespace) -> int:
-    from bertforge.tasks import preprocess
-
-    if cfg.valid_files:  # held-out files take the place of a held-out share
-        cfg = dataclasses.replace(cfg, valid_fraction=0.0)
-    print(preprocess.describe(preprocess.main(cfg), cfg.out))
-    return 0
-
-
-def _init(cfg: Any, args: argparse.Namespace) -> int:
-    from bertforge.tasks import init
-
-    out = init.main(cfg, args.tokenizer, args.out, vocab_given="vocab_size" in _model_keys(args))
-    print(f"initialised a {cfg.model.num_layers}-layer model with a {cfg.head} head -> {out}")
-    return 0
-
-
-def _pretrain(cfg: Any, args: argparse.Namespace) -> int:
-    from bertforge.runtime.devices import initialize_distributed
-    from bertforge.tasks import pretrain
-    from bertforge.train.loop import Preempted
-
-    initialize_distributed()
-    try:
-        last = pretrain.main(cfg, args.out, resume=args.resume, model_keys=_model_keys(args))
-    except Preempted as e:
-        print(f"{e}; checkpoint saved; run the same command to continue", file=sys.stderr)
-        return 143
-    keys = ("loss", "valid_loss", "valid_accuracy", "valid_gen_loss", "valid_disc_accuracy", "valid_disc_auc")
-    shown = ", ".join(f"{k} {last[k]:.4g}" for k in keys if k in last)
-    print(f"pretrained {last['step']} steps ({shown}) -> {args.out}")
-    return 0
-
-
-def _export(cfg: Any, args: argparse.Namespace) -> int:
-    from bertforge.tasks import export
-
-    out, url, what = export.main(cfg)
-    done = [f"exported {cfg.run} ({what}) -> {out}"] if out else []
-    print("\n".join(done + ([f"pushed {cfg.run} ({what}) to the Hugging Face Hub: {url}"] if url else [])))
-    return 0
-
-
-def _plot(cfg: Any, args: argparse.Namespace) -> int:
-    from bertforge.tasks import plot
-
-    print(f"wrote {plot.main(cfg)}")
-    return 0
-
-
-def _fill_mask(cfg: Any, args: argparse.Namespace) -> int:
-    from bertforge.tasks.infer import fill_mask_main
-
-    results = fill_mask_main(cfg)
-    if args.json:
-        print(json.dumps([{"text": t, "masks": r} for t, r in zip(cfg.texts, results, strict=True)], indent=2))
-        return 0
-    for text, masks in zip(cfg.texts, results, strict=True):
-        print(text)
-        for m, top in enumerate(masks):
-            if len(masks) > 1:
-                print(f"  mask {m + 1}:")
-            for option in top:
-                print(f"  {option['score']:8.4f}  {option['token_str']:<16} {option['sequence']}")
-    return 0
-
-
-def _predict(cfg: Any, args: argparse.Namespace) -> int:
-    from bertforge.tasks.infer import predict_main
-
-    print(f"wrote {len(predict_main(cfg))} predictions -> {cfg.out}")
-    return 0
-
-
-def _embed(cfg: Any, args: argparse.Namespace) -> int:
-    from bertforge.tasks import embed
-
-    vectors = embed.main(cfg)
-    print(f"wrote {vectors.shape[0]} vectors of {vectors.shape[1]} values -> {cfg.out}")
-    return 0
-
-
-def _evaluate_retrieval(cfg: Any, args: argparse.Namespace) -> int:
-    from bertforge.tasks import retrieve
-
-    found = retrieve.main(cfg)
-    print(" ".join(f"{k} {v:.4f}" for k, v in found.items() if isinstance(v, float)) + f" ({found['queries']} queries, "
-          f"{found['documents']} documents)")  # fmt: skip
-    return 0
-
-
-def _evaluate(cfg: Any, args: argparse.Namespace) -> int:
-    from bertforge.tasks import evaluate
-
-    found = evaluate.main(cfg)
-    shown = (f"{k} {'undefined' if v is None else f'{v:.4f}'}" for k, v in found.items() if k != "records")
-    print(" ".join(shown) + f" ({found['records']} records)")
-    return 0
-
-
-def _finetune(cfg: Any, args: argparse.Namespace) -> int:
-    from bertforge.runtime.devices import initialize_distributed
-    from bertforge.tasks import finetune
-    from bertforge.train.loop import Preempted
-
-    initialize_distributed()
-    try:
-        summary = finetune.main(cfg, args.out, resume=args.resume)
-    except Preempted as e:
-        print(f"{e}; checkpoint saved; run the same command to continue", file=sys.stderr)
-        return 143
-    print(finetune.format_summary(summary))
-    print(f"-> {args.out} (summary.json, oof.csv, fold-*/model)")
-    return 0
-
-
-def _plan(cfg: Any, args: argparse.Namespace) -> int:
-    from bertforge.tasks import plan
-
-    estimate, measured = plan.main(cfg)
-    print(plan.describe(cfg, estimate))
-    print(estimate.table())
-    if measured is not None:
-        error = 100 * (estimate.peak / measured - 1)
-        print(f"compiled on this machine: {measured / plan.MiB:,.1f} MiB per device (estimate {error:+.1f}%)")
-    return 0
-
-
-def _launch(cfg: Any, args: argparse.Namespace) -> int:
-    from bertforge.tasks import launch
-
-    return launch.main(cfg)
-
-
-def _demo(cfg: Any, args: argparse.Namespace) -> int:
-    from bertforge.tasks import demo
-
-    if cfg.compare == "none":
-        cfg = dataclasses.replace(cfg, compare=None)
-    demo.main(cfg)
-    return 0
-
 
 # The data section's keys that fine-tuning takes as --key-name flags too.
 _DATA_FLAGS = ("text_column", "text_pair_column", "id_column", "group_column", "error_column", "max_length",
@@ -183,18 +35,18 @@ COMMANDS: dict[str, Command] = {
     "tokenizer train": Command(
         "train a WordPiece, Unigram or BPE tokenizer from text files",
         "bertforge.tasks.tokenizer:TokenizerTrainConfig",
-        _tokenizer_train,
+        stage_runs.run_tokenizer_train,
         aliases={"--type": "kind", "--max-length": "model_max_length"},
     ),
     "preprocess": Command(
         "tokenize a corpus into fixed-length shards with a manifest",
         "bertforge.tasks.preprocess:PreprocessConfig",
-        _preprocess,
+        stage_runs.run_preprocess,
     ),
     "pretrain": Command(
         "masked-LM or replaced-token detection pretraining; the same command again resumes",
         "bertforge.tasks.pretrain:PretrainConfig",
-        _pretrain,
+        stage_runs.run_pretrain,
         "Overrides such as --train.max_steps=1000 --optim.lr=1e-3 follow the flags.",
         aliases={"--data": "data.shards", "--tokenizer": "data.tokenizer"},
         options=options("config", "out", "resume"),
@@ -203,19 +55,19 @@ COMMANDS: dict[str, Command] = {
     "export": Command(
         "a run's weights as a Hugging Face folder",
         "bertforge.tasks.export:ExportConfig",
-        _export,
+        stage_runs.run_export,
         positional={"run": "RUN"},
     ),
     "plot": Command(
         "curves of a pretraining or fine-tuning run, as a PNG",
         "bertforge.tasks.plot:PlotConfig",
-        _plot,
+        stage_runs.run_plot,
         positional={"run": "RUN"},
     ),
     "init": Command(
         "a freshly initialised model as a Hugging Face folder",
         "bertforge.tasks.init:InitConfig",
-        _init,
+        stage_runs.run_init,
         "Overrides such as --model.preset=mini --model.num_layers=2 follow the flags.",
         options=options("tokenizer", "out", "config", out={"help": "Hugging Face folder to write"}),
         yaml=True,
@@ -223,34 +75,36 @@ COMMANDS: dict[str, Command] = {
     "fill-mask": Command(
         "top tokens for each [MASK] in a text",
         "bertforge.tasks.infer:FillMaskConfig",
-        _fill_mask,
+        stage_runs.run_fill_mask,
         positional={"texts": "TEXT"},
         options=options("json"),
     ),
     "predict": Command(
         "predictions of a fine-tuned model: a row per text, each text's entities, each question's answer or choice",
         "bertforge.tasks.infer:PredictConfig",
-        _predict,
+        stage_runs.run_predict,
         aliases={"--data-format": "format"},
     ),
     "embed": Command(
-        "a vector per text, by an embedding model or any encoder", "bertforge.tasks.embed:EmbedConfig", _embed
+        "a vector per text, by an embedding model or any encoder",
+        "bertforge.tasks.embed:EmbedConfig",
+        stage_runs.run_embed,
     ),
     "evaluate-retrieval": Command(
         "nDCG@10, MRR@10 and Recall@k of an embedding model on a BEIR folder or a pairs table",
         "bertforge.tasks.retrieve:RetrievalConfig",
-        _evaluate_retrieval,
+        stage_runs.run_evaluate_retrieval,
     ),
     "evaluate": Command(
         "metrics of a fine-tuned model on labelled data, as fine-tuning reports them on its validation data",
         "bertforge.tasks.evaluate:EvaluateConfig",
-        _evaluate,
+        stage_runs.run_evaluate,
         aliases={"--data-format": "format", "--target-column": Alias("target_columns", sep=",")},
     ),
     "finetune": Command(
         "fine-tune a sequence, token, span, choice or embedding model with k folds; the same command again resumes",
         "bertforge.tasks.finetune:FinetuneConfig",
-        _finetune,
+        stage_runs.run_finetune,
         "Overrides such as --optim.lr=3e-5 --train.epochs=5 --head.pooling=mean follow the flags.",
         aliases={
             "--data": "data.train",
@@ -271,10 +125,18 @@ COMMANDS: dict[str, Command] = {
         ),
         yaml=True,
     ),
+    "suite": Command(
+        "fine-tune one encoder on every task of a suite (GLUE, JGLUE, a YAML file), seeds and learning rates, and "
+        "score it; the same command again skips what is done",
+        "bertforge.tasks.suite:SuiteConfig",
+        stage_runs.run_suite,
+        "Fine-tuning's overrides such as --train.epochs=1 --head.pooling=mean follow the flags, for every task.",
+        passes=True,
+    ),
     "plan": Command(
         "memory per device of a pretraining config on a mesh, before running it",
         "bertforge.tasks.plan:PlanConfig",
-        _plan,
+        stage_runs.run_plan,
         "Overrides such as --mesh.fsdp=4 --train.global_batch=256 --model.remat=true follow the flags.",
         aliases={"--data": "shards"},
         options=options("config"),
@@ -283,12 +145,14 @@ COMMANDS: dict[str, Command] = {
     "launch": Command(
         "run a command as several processes on this machine, as the hosts of a cluster would",
         "bertforge.tasks.launch:LaunchConfig",
-        _launch,
+        stage_runs.run_launch,
         "bertforge launch --num-processes 2 --devices-per-process 4 -- pretrain --config ... --out RUN",
         positional={"command": "COMMAND"},
         remainder=True,
     ),
-    "demo": Command("the whole pipeline on a built-in corpus (no download)", "bertforge.tasks.demo:DemoConfig", _demo),
+    "demo": Command(
+        "the whole pipeline on a built-in corpus (no download)", "bertforge.tasks.demo:DemoConfig", stage_runs.run_demo
+    ),
 }
 
 
@@ -332,6 +196,7 @@ def parse(argv: Sequence[str]) -> tuple[Any, argparse.Namespace]:
     args, extra = parser.parse_known_args(argv)
     if args.stage.remainder:
         extra = []  # everything after the command's own flags belongs to the command it runs
+    args.passed, extra = passed_overrides(extra) if args.stage.passes else ([], extra)
     cfg, args.config_data = build_config(args, extra)
     return cfg, args
 

@@ -50,6 +50,7 @@ class Command:
     options: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)  # not config fields
     yaml: bool = False  # takes --config YAML, and --section.key=value overrides of keys that have no flag
     remainder: bool = False  # the last positional takes the rest of the command line, flags and all
+    passes: bool = False  # --section.key=value flags it does not know go to args.passed (suite: finetune's)
 
     def config_class(self) -> type:
         module, name = self.config.split(":")
@@ -293,6 +294,12 @@ def _nest(flat: Mapping[str, Any]) -> dict[str, Any]:
             node = node.setdefault(part, {})
         node[leaf] = value
     return out
+
+
+def passed_overrides(extra: Sequence[str]) -> tuple[list[str], list[str]]:
+    """(the --section.key=value flags of `extra`, the rest): what a command that passes overrides on gives on."""
+    passed = [a for a in extra if a.startswith("--") and "=" in a and "." in a.split("=", 1)[0]]
+    return passed, [a for a in extra if a not in passed]
 
 
 def build_config(args: argparse.Namespace, extra: Sequence[str]) -> tuple[Any, dict[str, Any]]:

@@ -422,6 +422,55 @@ def test_pretrain_config_files_that_are_not_yaml(text, capsys, tally):
     shutil.rmtree(tmp)
 
 
+# ------------------------------------------------------------------------------------------------------ suites
+SUITE = "name: s\nsource: here\ntasks:\n  cola: {name: CoLA, task: classification, train: t.tsv, valid: v.tsv, "
+
+
+@given(text=nasty_text)
+@example(text=SUITE + "columns: [a, b], text: b, target: a, metrics: []}\n")
+@example(text=SUITE + "text: b, target: a, metrics: [rmse]}\nlrs: [0]\n")
+@example(text=SUITE + "text: b, target: a, metrics: [accuracy], epochs: nan}\nseeds: 2.5\n")
+@example(text="tasks: [1, 2]\n")
+def test_any_text_as_a_suite_file(text, tally):
+    from bertforge.data.suites import load_suite
+    from bertforge.errors import UserError
+
+    tally("hostile")
+    tmp = scratch()
+    (tmp / "s.yaml").write_text(text, encoding="utf-8")
+    try:
+        assert load_suite(str(tmp / "s.yaml")).tasks
+    except UserError as e:
+        assert str(e).startswith(str(tmp / "s.yaml")), str(e)
+    shutil.rmtree(tmp)
+
+
+@given(data=st.binary(max_size=1500))
+@example(data=b"gj04\t1\t\tA sentence.\r\ngj04\t0\t*\tAnother\u2028one.\n")
+@example(data="gj04\t1\t\tLine\u2028separator inside.\n".encode())
+@example(data=b"\xef\xbb\xbfgj04\t1\t\tBOM first.\n\n\n")
+def test_any_bytes_as_a_headerless_glue_table(data, tally):
+    from bertforge.data.suites import load_suite
+    from bertforge.errors import UserError
+    from bertforge.tasks.suite import prepared_files
+
+    tally("hostile")
+    tmp = scratch()
+    for name in ("CoLA/train.tsv", "CoLA/dev.tsv"):
+        (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp / name).write_bytes(data)
+    glue = load_suite("glue")
+    try:
+        files = prepared_files(glue, "cola", str(tmp), tmp / "out")
+        rows = [json.loads(line) for line in files["train"].read_text(encoding="utf-8").split("\n") if line]
+        # Every record kept whole: as many rows as non-empty lines, each with CoLA's 4 fields as written.
+        lines = [x.removesuffix("\r") for x in data.decode("utf-8-sig").split("\n") if x.removesuffix("\r")]
+        assert [list(r.values()) for r in rows] == [x.split("\t") for x in lines]
+    except UserError as e:
+        assert str(e).startswith(str(tmp / "CoLA")), str(e)
+    shutil.rmtree(tmp)
+
+
 # ------------------------------------------------------------------------------------------------------ model folders
 size = st.one_of(st.integers(-(10**3), 10**13), st.sampled_from([10**12, 2**31, 0, -1, 1.5, "768", None, True, []]))
 SIZES = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",

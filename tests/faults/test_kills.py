@@ -317,6 +317,41 @@ def test_embedding_killed_at_a_random_moment(model_dir, embedding_reference, tmp
     assert got == {k: embedding_reference[k] for k in got}
 
 
+# ------------------------------------------------------------------------------------------------------ suite
+def suite_args(model_dir: Path, root: Path, out: Path) -> list[str]:
+    """A suite of one regression task, 1 learning rate and 2 seeds (two units), each a short fine-tuning run."""
+    return ["suite", "--suite", str(root / "suite.yaml"), "--data", str(root), "--model", str(model_dir), "--out",
+            str(out), *FAST, "--train.epochs=2"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def suite_reference(model_dir, tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("suite")
+    write_table(root / "train.csv", river_rows(48, seed=5))
+    write_table(root / "valid.csv", river_rows(24, seed=6))
+    (root / "suite.yaml").write_text(
+        "name: rivers\nsource: here\nseeds: 2\nlrs: [3.0e-3]\nbatch_size: 16\nmax_length: 32\ntasks:\n"
+        "  rivers: {name: Rivers, task: regression, train: train.csv, valid: valid.csv, text: text, "
+        "target: target, metrics: [pearson, spearman]}\n"
+    )
+    run_ok(bertforge(*suite_args(model_dir, root, root / "cold")))  # timed warm, as task_reference's runs are
+    started = time.perf_counter()
+    run_ok(bertforge(*suite_args(model_dir, root, root / "run")))
+    board = json.loads((root / "run" / "scoreboard.json").read_text())
+    return {"root": root, "seconds": time.perf_counter() - started, "board": board}
+
+
+@pytest.mark.parametrize("seed", seeds(fast=0))
+def test_suite_killed_at_a_random_moment(model_dir, suite_reference, tmp_path, tally, seed):
+    # The suite's process killed, its unit's finetune with it: run again, the finished unit is kept, the killed one
+    # resumes, and the scoreboard is the uninterrupted suite's, to the last bit of every seed's score.
+    tally("kill")
+    fraction = rng("suite", seed).uniform(0.2, 0.9)
+    kill_then_rerun(suite_args(model_dir, suite_reference["root"], tmp_path / "out"),
+                    fraction * suite_reference["seconds"])  # fmt: skip
+    assert json.loads((tmp_path / "out" / "scoreboard.json").read_text()) == suite_reference["board"]
+
+
 # ------------------------------------------------------------------------------------------------------ preprocess
 def preprocess_args(wordpiece_dir: Path, corpus: Path, out: Path) -> list[str]:
     return ["preprocess", "--tokenizer", str(wordpiece_dir), "--files", str(corpus), "--out", str(out),

@@ -45,8 +45,11 @@ def _read_parquet(path: str) -> tuple[list[str], list[dict[str, Any]]]:
     return list(table.column_names), table.to_pylist()
 
 
-def read_table(path: str, quoted_tsv: bool = False) -> tuple[list[str], list[dict[str, Any]]]:
-    """-> (column names, rows as dicts). `quoted_tsv` reads a .tsv with CSV quoting (and a tab between fields)."""
+def read_table(
+    path: str, quoted_tsv: bool = False, columns: Sequence[str] = ()
+) -> tuple[list[str], list[dict[str, Any]]]:
+    """-> (column names, rows as dicts). `quoted_tsv` reads a .tsv with CSV quoting (and a tab between fields);
+    `columns` names a .tsv's columns, in order, where it has no header (GLUE's CoLA)."""
     fmt = _format(path)
     if fmt == "parquet":
         return _read_parquet(path)
@@ -70,7 +73,7 @@ def read_table(path: str, quoted_tsv: bool = False) -> tuple[list[str], list[dic
     if not text.strip():
         raise UserError(f"{path}: the file is empty")
     if fmt == "tsv" and not quoted_tsv:
-        return _split_tsv(path, text)
+        return _split_tsv(path, text, columns)
     try:
         reader = csv.DictReader(io.StringIO(text, newline=""), delimiter="\t" if fmt == "tsv" else ",")
         columns = list(reader.fieldnames or [])
@@ -80,19 +83,23 @@ def read_table(path: str, quoted_tsv: bool = False) -> tuple[list[str], list[dic
     return columns, rows
 
 
-def _split_tsv(path: str, text: str) -> tuple[list[str], list[dict[str, Any]]]:
+def _split_tsv(path: str, text: str, given: Sequence[str] = ()) -> tuple[list[str], list[dict[str, Any]]]:
     """TSV as IANA defines it: records split on line feeds (a carriage return before one dropped), fields on tabs,
     nothing quoted. Empty lines are skipped, as the CSV reader skips them. A record whose fields do not match the
-    header's is an error: it is how a tab or a line break inside a field shows."""
+    header's (or the `given` columns of a table without one) is an error: it is how a tab or a line break inside a
+    field shows."""
     records = (line.removesuffix("\r") for line in text.split("\n"))
     records = (line for line in records if line)
-    columns = next(records).split("\t")
+    columns = list(given) or next(records).split("\t")
+    expected = f"the header {len(columns)}"
+    if given:
+        expected = f"its {len(columns)} columns ({', '.join(columns)}; no header)"
     rows = []
     for i, line in enumerate(records):
         fields = line.split("\t")
         if len(fields) != len(columns):
             raise UserError(
-                f"{path}: row {i + 1} has {len(fields)} tab-separated field(s), the header {len(columns)} "
+                f"{path}: row {i + 1} has {len(fields)} tab-separated field(s), {expected} "
                 "(a tab or a line break inside a field? TSV has no quoting; --quoted-tsv reads quoted fields)"
             )
         rows.append(dict(zip(columns, fields, strict=True)))

@@ -73,15 +73,20 @@ def save_figure(fig: Any, target: Any, dpi: int = 120, **kwargs: Any) -> None:
 def pretrain_figure(name: str, records: list[dict[str, Any]]) -> Any:
     """Training and validation MLM loss, masked-token accuracy and learning rate against steps (tokens on top). A
     replaced-token detection run shows its generator's MLM loss and its discriminator's loss, and the
-    discriminator's validation accuracy against that of calling every token original."""
+    discriminator's validation accuracy against that of calling every token original. A run with eval.suite shows
+    its downstream scores."""
     plt = _pyplot()
     rtd = any("disc_loss" in r for r in records)
     loss, valid_loss = ("gen_loss", "valid_gen_loss") if rtd else ("loss", "valid_loss")
     train = [r for r in records if loss in r]
     valid = [r for r in records if valid_loss in r]
-    fig, (ax_loss, ax_acc, ax_lr) = plt.subplots(
-        3, 1, figsize=(7, 7), sharex=True, height_ratios=(3, 1.5, 1), layout="constrained"
-    )
+    suites = sorted((r for r in records if "suite_average" in r), key=lambda r: r["suite_step"])
+    rows = (3, 1.5, 1.5, 1) if suites else (3, 1.5, 1)
+    fig, axes = plt.subplots(len(rows), 1, figsize=(7, 7 * sum(rows) / 5.5), sharex=True, height_ratios=rows,
+                             layout="constrained")  # fmt: skip
+    ax_loss, ax_acc, ax_lr = axes[0], axes[1], axes[-1]
+    if suites:
+        _suite_scores(axes[2], suites)
     what = "generator MLM loss" if rtd else "MLM loss"
     ax_loss.plot([r["step"] for r in train], [r[loss] for r in train], lw=1, label=f"train {what}")
     if valid:
@@ -110,25 +115,37 @@ def pretrain_figure(name: str, records: list[dict[str, Any]]) -> Any:
     ax_lr.plot([r["step"] for r in train], [r.get("lr", float("nan")) for r in train], color="C2", lw=1)
     ax_lr.set_ylabel("learning rate")
     ax_lr.set_xlabel("step")
-    for ax in (ax_loss, ax_acc, ax_lr):
+    for ax in axes:
         ax.grid(alpha=0.3)
-    if valid and rtd:
-        last = valid[-1]
-        fig.suptitle(
-            f"{name}: discriminator accuracy {100 * last['valid_disc_accuracy']:.1f}% (all original: "
-            f"{100 * (1 - last['valid_replaced']):.1f}%), AUC {last['valid_disc_auc']:.3f}; generator loss "
-            f"{last['valid_gen_loss']:.3f}",
-            fontsize=9,
-        )
-    elif valid:
-        last = valid[-1]
-        fig.suptitle(
-            f"{name}: validation loss {last['valid_loss']:.3f}, "
-            f"perplexity {last.get('valid_perplexity', float('nan')):.1f}, "
-            f"masked-token accuracy {100 * last.get('valid_accuracy', float('nan')):.1f}%",
-            fontsize=9,
-        )
+    if valid:
+        fig.suptitle(_pretrain_title(name, valid[-1], rtd), fontsize=9)
     return fig
+
+
+def _pretrain_title(name: str, last: dict[str, Any], rtd: bool) -> str:
+    """The last validation's numbers."""
+    if rtd:
+        return (f"{name}: discriminator accuracy {100 * last['valid_disc_accuracy']:.1f}% (all original: "
+                f"{100 * (1 - last['valid_replaced']):.1f}%), AUC {last['valid_disc_auc']:.3f}; generator loss "
+                f"{last['valid_gen_loss']:.3f}")  # fmt: skip
+    return (f"{name}: validation loss {last['valid_loss']:.3f}, "
+            f"perplexity {last.get('valid_perplexity', float('nan')):.1f}, "
+            f"masked-token accuracy {100 * last.get('valid_accuracy', float('nan')):.1f}%")  # fmt: skip
+
+
+def _suite_scores(ax: Any, suites: list[dict[str, Any]]) -> None:
+    """The downstream scores of eval.suite against the step of the model each suite fine-tuned: every task's score
+    and the suite's average."""
+    steps = [r["suite_step"] for r in suites]
+    tasks = list(dict.fromkeys(k for r in suites for k in r if k.startswith("suite_") and k not in _SUITE_KEYS))
+    for i, key in enumerate(tasks):
+        ax.plot(steps, [r.get(key, float("nan")) for r in suites], ".-", lw=1, color=f"C{i + 3}", label=key[6:])
+    ax.plot(steps, [r["suite_average"] for r in suites], "o-", color="k", label="average")
+    ax.set_ylabel("downstream\nscore (%)")
+    ax.legend(fontsize=7, ncol=min(4, len(tasks) + 1))
+
+
+_SUITE_KEYS = ("suite_step", "suite_average")
 
 
 def plot_finetune(run: Path, out: str | Path | None = None) -> Path:

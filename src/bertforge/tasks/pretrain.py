@@ -23,6 +23,7 @@ from bertforge.errors import UserError
 from bertforge.model.config import ModelConfig, preset
 from bertforge.model.rtd import RtdConfig, generator_config
 from bertforge.runtime.devices import MeshConfig, build_mesh, fetch, process_0s, run_mesh
+from bertforge.tasks import pretrain_suites
 from bertforge.tasks.export import export_pretrained
 from bertforge.tasks.pretrain_setup import (
     Inputs,
@@ -35,6 +36,7 @@ from bertforge.tasks.pretrain_setup import (
     train_state,
     write_run_folder,
 )
+from bertforge.tasks.pretrain_suites import SuiteRuns
 from bertforge.train import loop, objectives
 from bertforge.train.checkpoint import Checkpoints
 from bertforge.train.flops import device_peak_flops
@@ -86,6 +88,11 @@ class MlmConfig:
 class EvalConfig:
     every: int = 200
     max_batches: int | None = None  # None: the whole validation split
+    # Downstream scores while training: a suite (glue, jglue or a YAML file; a small one) that fine-tunes the model
+    # every suite_every steps (a multiple of checkpoint.every) in a process of its own, on suite_data's files.
+    suite: str = ""
+    suite_data: str = ""
+    suite_every: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,6 +143,7 @@ class _Run:
     log: MetricsLog
     checkpoints: Checkpoints
     publisher: hub.Publisher | None
+    suites: SuiteRuns | None = None  # process 0's, when eval.suite is set
     last: dict[str, Any] = dataclasses.field(default_factory=dict)  # the latest value of every metric logged
     published: list[int] = dataclasses.field(default_factory=list)  # the steps exported for the Hub
 
@@ -144,6 +152,8 @@ class _Run:
         metrics = {"epoch": self.loader.epoch_of(max(step - 1, 0)), "tokens": tokens, **metrics}
         self.last.update(metrics)
         self.log.record(step, metrics, ("loss", "lr", "valid_loss"))
+        if self.suites is not None:
+            self.suites.poll(step)
 
     def evaluate(self, step: int, state: TrainState) -> dict[str, float] | None:
         valid = self.inputs.valid
@@ -155,6 +165,10 @@ class _Run:
         self.checkpoints.save(step, state, meta, valid_loss=valid_loss)
         if self.cfg.hub.due(step, self.cfg.checkpoint.every):
             self.publish(step, state)
+        if self.cfg.eval.suite and step % self.cfg.eval.suite_every == 0:
+            params = fetch(state.params)  # every process gives its part; process 0 exports
+            if self.suites is not None:
+                self.suites.start(step, functools.partial(self._export, params, step))
 
     def publish(self, step: int, state: TrainState) -> None:
         """The model at `step` exported and handed to the background push (every process fetches its part)."""
@@ -177,6 +191,8 @@ class _Run:
             self.publish(step, state)
         self.checkpoints.wait()
         hub.finish(self.publisher, self.log.message)
+        if self.suites is not None:
+            self.suites.finish(step)
 
     def non_finite(self, e: loop.NonFiniteLoss) -> UserError:
         """The error that stops the run, naming the last good checkpoint."""
@@ -250,6 +266,15 @@ def _train(
     return step, elapsed
 
 
+def _suites(cfg: PretrainConfig, run_dir: Path, log: MetricsLog, start_step: int) -> SuiteRuns | None:
+    """Process 0's suites of eval.suite, those a run before this one left logged or started again."""
+    if not cfg.eval.suite or jax.process_index() != 0:
+        return None
+    suites = SuiteRuns(cfg.eval.suite, cfg.eval.suite_data, run_dir, log.write, log.message)
+    suites.resume(start_step)
+    return suites
+
+
 # ------------------------------------------------------------------------------------------------------ main
 def main(
     cfg: PretrainConfig, out: str, resume: str = "auto", vocab_given: bool = False, model_keys: Collection[str] = ()
@@ -261,6 +286,8 @@ def main(
     run_dir = Path(out)
     if not cfg.data.shards:
         raise UserError("no shards given (--data SHARDS or data.shards in the config)")
+    if cfg.eval.suite:
+        pretrain_suites.check(cfg.eval.suite, cfg.eval.suite_data, cfg.eval.suite_every, cfg.checkpoint.every)
     with runs.locked(run_dir):
         return _main(cfg, run_dir, resume, vocab_given, model_keys)
 
@@ -284,7 +311,8 @@ def _main(
     step_fn = StepCache(cfg, compiler(cfg, inputs, model, mesh))
     log = MetricsLog(run_dir, cfg.log, budget.max_steps, start_step, to_dict(cfg))
     publisher = hub.open_publisher(cfg.hub, log.message)
-    run = _Run(cfg, run_dir, inputs, model, mesh, loader, step_fn.eval_fn, log, checkpoints, publisher)
+    suites = _suites(cfg, run_dir, log, start_step)
+    run = _Run(cfg, run_dir, inputs, model, mesh, loader, step_fn.eval_fn, log, checkpoints, publisher, suites)
     log.message(_banner(cfg, inputs, model.num_params, mesh, loader.batches_per_epoch, start_step))
     with run_mesh(mesh):  # the programs are traced at their first use
         step, elapsed = _train(run, state, step_fn, budget, start_step, elapsed)

@@ -12,6 +12,7 @@ HIGHER_IS_BETTER = {
     "spearman": True,
     "accuracy": True,
     "f1": True,
+    "matthews": True,
     "exact_match": True,
     "auc": True,
     "ndcg@10": True,
@@ -80,6 +81,17 @@ def _f1(pred: np.ndarray, positive: np.ndarray) -> float:
     return 2 * tp / (2 * tp + fp + fn) if tp + fp + fn > 0 else 0.0
 
 
+def matthews(pred: np.ndarray, labels: np.ndarray, classes: int) -> float:
+    """Matthews' correlation of integer predictions and labels (N,) over `classes` classes (Gorodkin's R_K, which
+    is the binary coefficient for 2); 0 where it is undefined (a single class predicted or labelled)."""
+    s = float(len(labels))
+    p = np.bincount(pred, minlength=classes).astype(np.float64)  # (C,) predicted per class
+    t = np.bincount(labels, minlength=classes).astype(np.float64)  # (C,) labelled per class
+    c = float(np.sum(pred == labels))
+    denominator = np.sqrt((s * s - np.dot(p, p)) * (s * s - np.dot(t, t)))
+    return float((c * s - np.dot(p, t)) / denominator) if denominator > 0 else 0.0
+
+
 def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
     """Probabilities of scores along `axis`, the largest subtracted first so that exp cannot overflow."""
     z = np.exp(x - x.max(axis=axis, keepdims=True))
@@ -87,7 +99,8 @@ def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
 
 
 def classification(logits: np.ndarray, labels: np.ndarray) -> dict[str, float]:
-    """logits (N, C), integer labels (N,): accuracy; F1 of class 1 (C == 2) or macro F1; AUC (one-vs-rest)."""
+    """logits (N, C), integer labels (N,): accuracy; F1 of class 1 (C == 2) or macro F1; AUC (one-vs-rest);
+    Matthews' correlation."""
     logits, labels = np.asarray(logits, np.float64), np.asarray(labels)
     pred = np.argmax(logits, axis=1)
     c = logits.shape[1]
@@ -99,7 +112,8 @@ def classification(logits: np.ndarray, labels: np.ndarray) -> dict[str, float]:
         probs = softmax(logits, axis=1)  # one-vs-rest ranks probabilities, as is usual
         aucs = [binary_auc(probs[:, j], labels == j) for j in range(c)]
         auc = float(np.nanmean(aucs)) if not np.all(np.isnan(aucs)) else float("nan")
-    return {"accuracy": float(np.mean(pred == labels)), "f1": f1, "auc": auc}
+    mcc = matthews(pred, np.asarray(labels, np.int64), c)
+    return {"accuracy": float(np.mean(pred == labels)), "f1": f1, "auc": auc, "matthews": mcc}
 
 
 def multilabel(logits: np.ndarray, labels: np.ndarray) -> dict[str, float]:

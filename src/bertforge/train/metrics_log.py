@@ -70,9 +70,11 @@ class MetricsLog:
         with self.path.open("a") as fh:
             fh.write(finite_json(record) + "\n")  # an undefined metric (NaN) as null
         if self.tb is not None:
+            at = int(record.get("suite_step", step))  # a suite's scores at the step of the model it scored
             for k, v in record.items():
-                if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
-                    self.tb.add_scalar(k.replace("_", "/", 1) if k.startswith(("train_", "valid_")) else k, v, step)
+                if k not in ("step", "suite_step") and isinstance(v, (int, float)) and math.isfinite(v):
+                    name = k.replace("_", "/", 1) if k.startswith(("train_", "valid_", "suite_")) else k
+                    self.tb.add_scalar(name, v, at)
             self.tb.flush()
         if self.wandb is not None:
             self.wandb.log(record, step=step)
