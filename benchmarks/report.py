@@ -39,6 +39,7 @@ README_ROWS = (
     ("finetune_end_to_end", "sentences-64-defaults-1ep-1eval", "fine-tune short texts with the defaults, 1 epoch"),
     ("finetune_end_to_end", "jnli-128-defaults-1ep-1eval", "fine-tune JNLI sentence pairs with the defaults, 1 epoch"),
     ("questions_and_choices", "jcommonsenseqa_frac0.1", "fine-tune JCommonsenseQA (a tenth), 2 epochs"),
+    ("questions_and_choices", "jsquad_frac0.1", "fine-tune JSQuAD question answering (a tenth), 2 epochs"),
     ("embedding_models", "128_frac0.5", "train an embedding model on JSQuAD (half), 1 epoch"),
 )
 BEGIN = "<!-- results: rendered by benchmarks/report.py from benchmarks/results/index.jsonl; do not edit -->"
