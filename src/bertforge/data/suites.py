@@ -42,6 +42,8 @@ from bertforge.train.metrics import HIGHER_IS_BETTER
 
 SHIPPED = Path(__file__).resolve().parent.parent / "configs" / "suites"
 TASK_TYPES = ("classification", "regression", "similarity", "question-answering", "multiple-choice")
+# Tasks whose data is a table of texts and a target column, whose columns a suite names.
+TABLE_TASKS = ("classification", "regression", "similarity")
 # Tasks whose metrics finetune reports in percent already (SQuAD's rules); the others' are fractions.
 PERCENT_TASKS = ("question-answering",)
 
@@ -79,9 +81,8 @@ class SuiteTask:
         scored = {m.split("_", 1)[0] for m in self.metrics}
         if set(self.also) - scored:
             raise ValueError(f"each set of also ({', '.join(self.also)}) needs a metric named <set>_<metric>")
-        _check_settings(self.seeds, self.max_length, self.epochs, self.batch_size, self.lrs)
-        tables = self.task in ("classification", "regression", "similarity")
-        if tables and (self.text is None or self.target is None):
+        check_settings(self.seeds, self.max_length, self.epochs, self.batch_size, self.lrs)
+        if self.task in TABLE_TASKS and (self.text is None or self.target is None):
             raise ValueError(f"a {self.task} task needs its text and target columns")
         for column in (self.text, self.pair, self.target):
             if self.columns and column is not None and column not in self.columns:
@@ -105,7 +106,7 @@ class Suite:
     path: str = ""  # the file it was read from
 
     def __post_init__(self) -> None:
-        _check_settings(self.seeds, self.max_length, self.epochs, self.batch_size, self.lrs)
+        check_settings(self.seeds, self.max_length, self.epochs, self.batch_size, self.lrs)
         if not self.lrs:
             raise ValueError("lrs: give at least one learning rate")
 
@@ -117,7 +118,7 @@ class Suite:
                 "batch_size": pick(task.batch_size, self.batch_size), "lrs": pick(task.lrs, self.lrs)}  # fmt: skip
 
 
-def _check_settings(seeds: int | None, max_length: int | None, epochs: float | None, batch_size: int | None,
+def check_settings(seeds: int | None, max_length: int | None, epochs: float | None, batch_size: int | None,
                     lrs: tuple[float, ...]) -> None:  # fmt: skip
     """A suite's or a task's fine-tuning settings, each positive where given."""
     for name, value in (("seeds", seeds), ("max_length", max_length), ("epochs", epochs), ("batch_size", batch_size)):
@@ -177,12 +178,7 @@ def task_files(suite: Suite, short: str, data: str) -> dict[str, Path]:
 
 
 def check_table(task: SuiteTask, path: Path) -> None:
-    """A table's columns against the task's (a headerless table: its field count), one line naming what is off."""
-    if task.task not in ("classification", "regression", "similarity"):
-        return
-    if task.columns:
-        read_headerless(task, path)
-        return
+    """A table's header against the columns the task reads, one line naming what is off."""
     columns, _ = tabular.read_table(str(path))
     for column in (task.text, task.pair, task.target):
         if column is not None and column not in columns:

@@ -48,7 +48,8 @@ CJK_FONTS = ("Noto Sans CJK JP", "Noto Sans JP", "IPAexGothic", "IPAGothic", "Hi
              "MS Gothic", "Noto Sans CJK SC", "Microsoft YaHei", "Arial Unicode MS")  # fmt: skip
 
 
-def _pyplot() -> Any:
+def pyplot() -> Any:
+    """matplotlib's pyplot without a display, with fonts for CJK labels after the first sans-serif one."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -67,7 +68,7 @@ def save_figure(fig: Any, target: Any, dpi: int = 120, **kwargs: Any) -> None:
             warnings.filterwarnings("ignore", message=r"Glyph \d+ .*missing from font", category=UserWarning)
             fig.savefig(target, dpi=dpi, **kwargs)
     finally:
-        _pyplot().close(fig)
+        pyplot().close(fig)
 
 
 def pretrain_figure(name: str, records: list[dict[str, Any]]) -> Any:
@@ -75,7 +76,7 @@ def pretrain_figure(name: str, records: list[dict[str, Any]]) -> Any:
     replaced-token detection run shows its generator's MLM loss and its discriminator's loss, and the
     discriminator's validation accuracy against that of calling every token original. A run with eval.suite shows
     its downstream scores."""
-    plt = _pyplot()
+    plt = pyplot()
     rtd = any("disc_loss" in r for r in records)
     loss, valid_loss = ("gen_loss", "valid_gen_loss") if rtd else ("loss", "valid_loss")
     train = [r for r in records if loss in r]
@@ -165,7 +166,7 @@ def finetune_figure(
 ) -> Any:
     """Left: training loss (thin) and validation metric (dots) of each fold against steps. Right: out-of-fold
     predictions against targets, as a scatter for regression or a confusion matrix for classification."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, (ax_loss, ax_oof) = plt.subplots(1, 2, figsize=(11, 4.5), layout="constrained")
     ax_metric = ax_loss.twinx()
     metric = summary["metric"] if summary else None

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from bertforge.data.suites import load_suite, task_files
 from bertforge.errors import UserError
 from bertforge.fileio import read_json_object, write_atomic, write_folder_atomic
 from bertforge.tasks.suite import dying_with
@@ -27,8 +28,6 @@ LOGGED = "logged.json"  # the suite steps whose scores metrics.jsonl has
 
 def check(suite: str, data: str, every: int, checkpoint_every: int) -> None:
     """eval.suite's settings and files, before training starts: a mistake is one line now, not in an hour."""
-    from bertforge.data.suites import load_suite, task_files
-
     if not data or every < 1:
         raise UserError("eval.suite needs eval.suite_data (the suite's data folder) and eval.suite_every (steps)")
     if every % checkpoint_every:

@@ -5,6 +5,7 @@ leaderboards write them."""
 
 from __future__ import annotations
 
+import io
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
@@ -71,13 +72,10 @@ def markdown(board: dict[str, Any]) -> str:
 def plot(board: dict[str, Any], path: Path) -> None:
     """Each task's main metric: its seeds' mean with their spread (a bar and its standard deviation), each seed a
     dot."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from bertforge.tasks import plot as plots
 
     tasks = list(board["tasks"].values())
-    fig, ax = plt.subplots(figsize=(max(4.0, 1.1 * len(tasks) + 1.5), 3.6))
+    fig, ax = plots.pyplot().subplots(figsize=(max(4.0, 1.1 * len(tasks) + 1.5), 3.6))
     x = range(len(tasks))
     ax.bar(x, [t["mean"] for t in tasks], yerr=[t["std"] for t in tasks], color="C0", alpha=0.7, capsize=4)
     for i, t in enumerate(tasks):
@@ -87,10 +85,9 @@ def plot(board: dict[str, Any], path: Path) -> None:
     ax.set_title(f"{board['suite']}: {Path(board['model']).name or board['model']}, average {board['average']:.2f}",
                  fontsize=9)  # fmt: skip
     fig.tight_layout()
-    tmp = path.with_name(path.name + ".tmp.png")
-    fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    tmp.replace(path)
+    png = io.BytesIO()
+    plots.save_figure(fig, png, format="png")
+    write_atomic(path, png.getvalue())
 
 
 def write(board: dict[str, Any], out: Path) -> None:

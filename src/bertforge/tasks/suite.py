@@ -22,7 +22,16 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from bertforge.data.suites import Suite, check_table, load_suite, pick_tasks, read_headerless, task_files
+from bertforge.data.suites import (
+    TABLE_TASKS,
+    Suite,
+    check_settings,
+    check_table,
+    load_suite,
+    pick_tasks,
+    read_headerless,
+    task_files,
+)
 from bertforge.errors import UserError
 from bertforge.fileio import finite_json, read_json_object, write_atomic
 from bertforge.tasks import scoreboard
@@ -40,10 +49,7 @@ class SuiteConfig:
     keep_models: bool = False  # keep each unit's fine-tuned model folder
 
     def __post_init__(self) -> None:
-        if self.seeds is not None and self.seeds < 1:
-            raise ValueError(f"seeds must be at least 1, got {self.seeds}")
-        if any(lr <= 0 for lr in self.lrs):
-            raise ValueError("every learning rate must be positive")
+        check_settings(self.seeds, None, None, None, self.lrs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,16 +100,19 @@ def prepared_files(suite: Suite, short: str, data: str, out: Path) -> dict[str, 
     """A task's files by role, checked; a headerless table written once as JSON lines with its columns named."""
     task = suite.tasks[short]
     files = task_files(suite, short, data)
+    if task.task not in TABLE_TASKS:
+        return files
     for role, path in files.items():
-        check_table(task, path)
-        if task.columns:
-            target = out / "data" / short / f"{role}.jsonl"
-            if not target.exists():
-                rows = read_headerless(task, path)
-                target.parent.mkdir(parents=True, exist_ok=True)
-                # ASCII JSON: a line separator (U+2028) inside a sentence stays inside its line.
-                write_atomic(target, "".join(json.dumps(r) + "\n" for r in rows))
-            files[role] = target
+        if not task.columns:
+            check_table(task, path)
+            continue
+        target = out / "data" / short / f"{role}.jsonl"
+        if not target.exists():  # read, and so checked, once: the rows written are the file's
+            rows = read_headerless(task, path)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            # ASCII JSON: a line separator (U+2028) inside a sentence stays inside its line.
+            write_atomic(target, "".join(json.dumps(r) + "\n" for r in rows))
+        files[role] = target
     return files
 
 
