@@ -304,11 +304,18 @@ def _finish(args: argparse.Namespace, recipe: str, rows: list[dict], counts: dic
     variants = {"bertforge": "float32", TRAINER: "tuned (run_swag as shipped)"}
     for r in rows:
         r["variant"] = variants[r["system"]]
-    results_index.append(results_index.run_lines("jglue_suite", recipe, "average", rows, seeds, "cold",
-                                                 value="average", name=same_work.index_name))  # fmt: skip
     systems = list(dict.fromkeys(r["system"] for r in rows))
     board = {s: boards({t: [r["units"][t] for r in rows if r["system"] == s] for t in TASKS}, args.model)
              for s in systems}  # fmt: skip
+    lines = results_index.run_lines("jglue_suite", recipe, "average", rows, seeds, "cold", value="average",
+                                    name=same_work.index_name)  # fmt: skip
+    for entry, system in zip(lines, systems, strict=True):  # each side's scoreboard, which the docs render
+        entry["scoreboard"] = {"average": board[system]["average"], "tasks": {
+            t: {k: v for k, v in e.items() if k in ("name", "metric", "mean", "std", "score")}
+            for t, e in board[system]["tasks"].items()}}  # fmt: skip
+        entry["task_wall_s"] = {t: sum(r["task_wall_s"].get(t, 0.0) for r in rows if r["system"] == system)
+                                for t in TASKS}  # fmt: skip
+    results_index.append(lines)
     _report(args, recipe, rows, board, counts)
 
 
