@@ -29,7 +29,7 @@ scoreboard of each side is computed by the suite's rule (a task's score the mean
 the average the mean over tasks).
 
     .venv/bin/python benchmarks/jglue_suite.py --model runs/ja-mini-hf --lr 3e-4 --train-fraction 0.1 --seeds 0 1 2
-    .venv/bin/python benchmarks/jglue_suite.py --lr 1e-4 --train-fraction 0.05 --epochs 2   # all-MiniLM-L6-v2
+    .venv/bin/python benchmarks/jglue_suite.py --lr 1e-4 --train-fraction 0.03 --epochs 1   # all-MiniLM-L6-v2
 """
 
 from __future__ import annotations

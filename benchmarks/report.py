@@ -157,6 +157,32 @@ def benchmark_rows(lines: list[dict], benchmark: str) -> tuple[tuple[str, str, s
     return tuple((b, recipe, recipe) for b, recipe, _ in all_rows(lines) if b == benchmark)
 
 
+def scoreboards(text: str) -> list[str]:
+    """The benchmarks whose suite scoreboards a page holds."""
+    return re.findall(r"<!-- scoreboards of (\S+): rendered", text)
+
+
+def render_scoreboards(lines: list[dict], benchmark: str) -> str:
+    """Each task's score on both sides of `benchmark`'s latest run per recipe and machine, from the scoreboards its
+    lines carry (a suite's: per task its name, main metric, mean and standard deviation over the seeds, score)."""
+    out = ["| recipe | machine | task | bertforge: score | main metric, mean ± std | reference: score "
+           "| main metric, mean ± std |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for _, recipe, _ in benchmark_rows(lines, benchmark):
+        for machine, run in sorted(latest_runs(lines, benchmark, recipe).items()):
+            ours, ref = comparison(run)
+            if ref is None or "scoreboard" not in ours or "scoreboard" not in ref:
+                continue
+            mine, theirs = ours["scoreboard"], ref["scoreboard"]
+            for task, t in mine["tasks"].items():
+                r = theirs["tasks"][task]
+                out.append(f"| {recipe} | {machine_name(machine)} | {t['name']} | {t['score']:.2f} | {t['metric']} "
+                           f"{t['mean']:.2f} ± {t['std']:.2f} | {r['score']:.2f} | {r['metric']} {r['mean']:.2f} ± "
+                           f"{r['std']:.2f} |")  # fmt: skip
+            out.append(f"| {recipe} | {machine_name(machine)} | average | {mine['average']:.2f} | "
+                       f"| {theirs['average']:.2f} | |")  # fmt: skip
+    return "\n".join(out)
+
+
 def page_benchmarks(text: str) -> list[str]:
     """The benchmarks whose tables a page holds."""
     return re.findall(r"<!-- results of (\S+): rendered", text)
@@ -172,6 +198,11 @@ def pages(lines: list[dict]) -> dict[Path, str]:
         text = results.read_text(encoding="utf-8")
         for benchmark in page_benchmarks(text):
             text = rendered(text, render_table(lines, benchmark_rows(lines, benchmark)), benchmark)
+        for benchmark in scoreboards(text):
+            marker = f"<!-- scoreboards of {benchmark}: rendered"
+            start = text.index(marker) + text[text.index(marker) :].index("\n") + 1
+            end = text.index(END, start)
+            text = text[:start] + render_scoreboards(lines, benchmark) + "\n" + text[end:]
         out[results] = text
     return out
 

@@ -81,6 +81,23 @@ def test_the_table_takes_each_machines_latest_first_run_and_the_faster_reference
     assert "| 0.50x |" in xeon_row and f"{trainer}, shipped" in xeon_row
 
 
+def test_a_suites_scoreboards_are_rendered_from_the_lines_of_its_latest_run():
+    report = _benchmark("report")
+    zen3, trainer = "AMD EPYC, family 25 model 1, 2 cores", "transformers Trainer (PyTorch)"
+    board = lambda score, mean: {"average": score, "tasks": {"jsts": {  # noqa: E731
+        "name": "JSTS", "metric": "pearson", "mean": mean, "std": 1.5, "score": score}}}  # fmt: skip
+    old = run("s", "r", zen3, "2026-12-01", "cold", {("bertforge", "float32"): (9, 1), (trainer, "tuned"): (9, 1)})
+    new = run("s", "r", zen3, "2026-12-07", "cold", {("bertforge", "float32"): (30, 70), (trainer, "tuned"): (40, 69)})
+    for line, scores in zip(new, ((70.25, 71.0), (69.5, 70.0)), strict=True):
+        line["scoreboard"] = board(*scores)
+    table = report.render_scoreboards(old + new, "s").splitlines()
+    where = "| r | AMD EPYC Zen 3, 2 cores |"
+    assert table[2:] == [f"{where} JSTS | 70.25 | pearson 71.00 ± 1.50 | 69.50 | pearson 70.00 ± 1.50 |",
+                         f"{where} average | 70.25 | | 69.50 | |"]  # fmt: skip
+    page = "a\n<!-- scoreboards of s: rendered by benchmarks/report.py; do not edit -->\nold\n<!-- results: end -->\n"
+    assert report.scoreboards(page) == ["s"]
+
+
 def test_the_readme_names_the_machine_date_and_commit_in_a_caption_and_holds_at_most_eight_rows():
     report, index = _benchmark("report"), _benchmark("results_index")
     zen3, trainer = "AMD EPYC, family 25 model 1, 2 cores", "transformers Trainer (PyTorch)"

@@ -17,6 +17,8 @@ BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 # one window or more).
 ROWS = {"commonlit": 2267, "sentences": 1996, "jsts": 12451, "ner": 4818, "jsquad": 3769, "jcommonsenseqa": 894,
         "retrieval": 2454}  # fmt: skip
+# jglue_suite.py's training rows with a tenth of each training file (JSQuAD: its questions).
+JGLUE_ROWS = {"jsts": 1245, "jnli": 195, "jsquad": 1168, "jcommonsenseqa": 894}
 
 
 def _benchmark(name: str):
@@ -29,7 +31,7 @@ def recipes() -> list:
     """Every recipe of every benchmark script with a reference, from the scripts' own settings."""
     same_work, e2e = _benchmark("same_work"), _benchmark("finetune_end_to_end")
     tc, qc = _benchmark("token_classification"), _benchmark("questions_and_choices")
-    em = _benchmark("embedding_models")
+    em, jglue = _benchmark("embedding_models"), _benchmark("jglue_suite")
     r = same_work.Recipe
     e2e_args = lambda recipe: e2e.parser().parse_args(["--recipe", recipe])  # noqa: E731
     tuned, defaults = e2e._evals(e2e_args("tuned")), e2e._evals(e2e_args("defaults"))
@@ -53,6 +55,11 @@ def recipes() -> list:
             for task, name in ((qc.QA, "jsquad"), (qc.MC, "jcommonsenseqa"))
         ),  # fmt: skip
         r("embedding_models", "retrieval", ROWS["retrieval"], em_args.batch_size, em_args.epochs, 1),
+        *(
+            r("jglue_suite", f"{task} a tenth", rows, s["batch_size"], s["epochs"], 1)
+            for task, rows in JGLUE_ROWS.items()
+            for s in [jglue.suite_settings(task, None)]
+        ),  # fmt: skip
     ]
 
 

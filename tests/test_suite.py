@@ -5,6 +5,8 @@ import json
 import statistics
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -228,7 +230,7 @@ def test_scoreboard_against_hand_computed_values(tmp_path):
 def _fake_finetune(calls: list[list[str]]) -> suite.Runner:
     """A runner that writes what finetune and evaluate write, with scores made from the lr and seed."""
 
-    def run(cmd: list[str], log: Path) -> int:
+    def run(cmd: list[str], log: Path, env: dict[str, str]) -> int:
         calls.append(cmd)
         flag = {a.split("=", 1)[0]: a.split("=", 1)[1] for a in cmd if a.startswith("--") and "=" in a}
         out = Path(cmd[cmd.index("--out") + 1])
@@ -265,8 +267,8 @@ def test_a_suite_run_again_skips_finished_units_and_a_stopped_one_resumes(tmp_pa
     cfg = SuiteConfig(suite=str(path), data=str(data), model="m", out=str(tmp_path / "again"))
     stop_at = 5
 
-    def stopping(cmd: list[str], log: Path) -> int:
-        return 143 if len(calls) == stop_at else _fake_finetune(calls)(cmd, log)
+    def stopping(cmd: list[str], log: Path, env: dict[str, str]) -> int:
+        return 143 if len(calls) == stop_at else _fake_finetune(calls)(cmd, log, env)
 
     with pytest.raises(suite.Stopped):
         suite.main(cfg, runner=stopping)
@@ -274,6 +276,69 @@ def test_a_suite_run_again_skips_finished_units_and_a_stopped_one_resumes(tmp_pa
     assert done == ["lr1e-05-seed0", "lr1e-05-seed1"]
     assert suite.main(cfg, runner=_fake_finetune(calls)) == whole
     assert Unit("pairs", 1e-5, 0).folder(Path("o")) == Path("o/units/pairs/lr1e-05-seed0")
+
+
+def _suite_data(tmp_path: Path) -> Path:
+    data = tmp_path / "data"
+    data.mkdir()
+    for name in ("t.csv", "v.csv", "o.csv"):
+        (data / name).write_text("a,b,y\nx,z,1\n")
+    return data
+
+
+def test_units_at_once_over_devices_give_the_one_at_a_time_scoreboard(tmp_path):
+    """Two slots (devices 0 and 1): two units run at once, each unit's finetune and evaluate see one device, and
+    the scoreboard is the one units run one after another write; a stop in one, run again, finishes the rest."""
+    path, data = _two_task_suite(tmp_path), _suite_data(tmp_path)
+    alone = suite.main(SuiteConfig(suite=str(path), data=str(data), model="m", out=str(tmp_path / "one")),
+                       runner=_fake_finetune([]))  # fmt: skip
+    calls: list[list[str]] = []
+    fake, lock, running, most = _fake_finetune(calls), threading.Lock(), [0], [0]
+    seen: dict[str, set[str]] = {}
+
+    def timed(cmd: list[str], log: Path, env: dict[str, str]) -> int:
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+            seen.setdefault(str(log.parent), set()).add(env["CUDA_VISIBLE_DEVICES"])
+        time.sleep(0.05)  # long enough for the other slot's unit to start meanwhile
+        with lock:
+            running[0] -= 1
+        return fake(cmd, log, env)
+
+    cfg = SuiteConfig(suite=str(path), data=str(data), model="m", out=str(tmp_path / "two"), devices="0,1")
+    assert suite.main(cfg, runner=timed) == alone
+    assert most[0] == 2 and len(calls) == 10
+    assert all(len(ids) == 1 for ids in seen.values()) and set().union(*seen.values()) == {"0", "1"}
+
+    stop_at, again = 3, SuiteConfig(suite=str(path), data=str(data), model="m", out=str(tmp_path / "again"),
+                                    devices="0,1")  # fmt: skip
+    calls.clear()
+
+    def stopping(cmd: list[str], log: Path, env: dict[str, str]) -> int:
+        with lock:
+            stop = len(calls) == stop_at
+            calls.append([]) if stop else None
+        return 143 if stop else fake(cmd, log, env)
+
+    with pytest.raises(suite.Stopped):
+        suite.main(again, runner=stopping)
+    assert len(list((tmp_path / "again/units").glob("*/*/unit.json"))) < 6
+    assert suite.main(again, runner=_fake_finetune([])) == alone
+
+
+def test_device_slots():
+    from bertforge.tasks.suite_units import device_slots
+
+    assert device_slots("") == [{}]
+    assert device_slots("0,1") == [{"CUDA_VISIBLE_DEVICES": "0", "HIP_VISIBLE_DEVICES": "0"},
+                                   {"CUDA_VISIBLE_DEVICES": "1", "HIP_VISIBLE_DEVICES": "1"}]  # fmt: skip
+    shared = device_slots("0,0,1")
+    assert [s["XLA_PYTHON_CLIENT_MEM_FRACTION"] for s in shared[:2]] == ["0.450", "0.450"]
+    assert "XLA_PYTHON_CLIENT_MEM_FRACTION" not in shared[2]
+    assert len(device_slots("all", count=lambda: 4)) == 4 and device_slots("all", count=lambda: 0) == [{}]
+    with pytest.raises(UserError, match="--devices gpu0: give device ids such as 0,1,2,3"):
+        SuiteConfig(suite="glue", data="d", model="m", out="o", devices="gpu0")
 
 
 def test_suite_command_runs_finetune_and_evaluate_and_scores_them(tmp_path, model_dir):

@@ -318,10 +318,10 @@ def test_embedding_killed_at_a_random_moment(model_dir, embedding_reference, tmp
 
 
 # ------------------------------------------------------------------------------------------------------ suite
-def suite_args(model_dir: Path, root: Path, out: Path) -> list[str]:
+def suite_args(model_dir: Path, root: Path, out: Path, *flags: str) -> list[str]:
     """A suite of one regression task, 1 learning rate and 2 seeds (two units), each a short fine-tuning run."""
     return ["suite", "--suite", str(root / "suite.yaml"), "--data", str(root), "--model", str(model_dir), "--out",
-            str(out), *FAST, "--train.epochs=2"]  # fmt: skip
+            str(out), *flags, *FAST, "--train.epochs=2"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -348,6 +348,17 @@ def test_suite_killed_at_a_random_moment(model_dir, suite_reference, tmp_path, t
     tally("kill")
     fraction = rng("suite", seed).uniform(0.2, 0.9)
     kill_then_rerun(suite_args(model_dir, suite_reference["root"], tmp_path / "out"),
+                    fraction * suite_reference["seconds"])  # fmt: skip
+    assert json.loads((tmp_path / "out" / "scoreboard.json").read_text()) == suite_reference["board"]
+
+
+@pytest.mark.parametrize("seed", seeds(fast=0))
+def test_suite_of_units_at_once_killed_at_a_random_moment(model_dir, suite_reference, tmp_path, tally, seed):
+    # Both units at once in two slots of the one device (--devices 0,0), the suite killed with both running: run
+    # again, the scoreboard is the one of the units run one after another, uninterrupted.
+    tally("kill")
+    fraction = rng("suite-at-once", seed).uniform(0.2, 0.5)
+    kill_then_rerun(suite_args(model_dir, suite_reference["root"], tmp_path / "out", "--devices", "0,0"),
                     fraction * suite_reference["seconds"])  # fmt: skip
     assert json.loads((tmp_path / "out" / "scoreboard.json").read_text()) == suite_reference["board"]
 

@@ -20,7 +20,7 @@ from typing import Any
 from bertforge.data.suites import load_suite, task_files
 from bertforge.errors import UserError
 from bertforge.fileio import read_json_object, write_atomic, write_folder_atomic
-from bertforge.tasks.suite import dying_with
+from bertforge.tasks.suite_units import dying_with
 
 FOLDER = "suites"
 LOGGED = "logged.json"  # the suite steps whose scores metrics.jsonl has

@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import shutil
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -34,7 +32,7 @@ from bertforge.data.suites import (
 )
 from bertforge.errors import UserError
 from bertforge.fileio import finite_json, read_json_object, write_atomic
-from bertforge.tasks import scoreboard
+from bertforge.tasks import scoreboard, suite_units
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,9 +45,13 @@ class SuiteConfig:
     seeds: int | None = None  # runs per task and learning rate (default: the suite's)
     lrs: tuple[float, ...] = ()  # the learning rates tried per task (default: the suite's, or the task's)
     keep_models: bool = False  # keep each unit's fine-tuned model folder
+    # Units at once: "" one at a time on every device; "0,1,2,3" one per GPU id (an id twice: two units share it);
+    # "all" one per GPU the machine has.
+    devices: str = ""
 
     def __post_init__(self) -> None:
         check_settings(self.seeds, None, None, None, self.lrs)
+        suite_units.device_slots(self.devices, count=lambda: 0)  # the ids checked before any unit runs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,34 +68,7 @@ class Stopped(Exception):
     """A unit's process stopped on a signal after saving its checkpoint (exit 143): run the suite again."""
 
 
-Runner = Callable[[list[str], Path], int]  # (command, log file) -> exit status
-
-
-def dying_with(parent: int, cmd: list[str]) -> list[str]:
-    """`cmd`, started so that it dies with the process `parent`, a kill -9 included (Linux: prctl's parent-death
-    signal, which exec keeps), and none runs on alone in a run folder that a run again resumes; elsewhere as it is.
-    A wrapper rather than preexec_fn, which is not safe in a process with threads (a pretraining run's)."""
-    if not sys.platform.startswith("linux"):
-        return cmd
-    code = (f"import ctypes, os, sys; ctypes.CDLL(None).prctl(1, {int(signal.SIGKILL)}); "
-            f"os.getppid() == {parent} or os._exit(137); os.execv(sys.argv[1], sys.argv[1:])")  # fmt: skip
-    return [sys.executable, "-c", code, *cmd]
-
-
-def run_logged(cmd: list[str], log: Path) -> int:
-    """Run `cmd` with its output appended to `log`; a SIGTERM or Ctrl-C this process gets is passed on to it, so
-    that it saves its checkpoint and stops as a finetune stopped alone does."""
-    with open(log, "ab") as fh:
-        proc = subprocess.Popen(dying_with(os.getpid(), cmd), stdout=fh, stderr=subprocess.STDOUT)
-        previous = signal.signal(signal.SIGTERM, lambda *_: proc.send_signal(signal.SIGTERM))
-        try:
-            while True:
-                try:
-                    return proc.wait()
-                except KeyboardInterrupt:
-                    proc.send_signal(signal.SIGINT)
-        finally:
-            signal.signal(signal.SIGTERM, previous)
+Runner = Callable[[list[str], Path, dict[str, str]], int]  # (command, log file, environment added) -> exit status
 
 
 def prepared_files(suite: Suite, short: str, data: str, out: Path) -> dict[str, Path]:
@@ -135,24 +110,25 @@ def finetune_command(suite: Suite, unit: Unit, files: dict[str, Path], model: st
 
 
 def run_unit(suite: Suite, unit: Unit, files: dict[str, Path], model: str, overrides: Sequence[str], out: Path,
-             runner: Runner) -> dict[str, Any]:  # fmt: skip
-    """Fine-tune the unit and score it on each further validation set; its metrics (<set>_<metric> for those)."""
+             runner: Runner, env: dict[str, str]) -> dict[str, Any]:  # fmt: skip
+    """Fine-tune the unit and score it on each further validation set, its processes in `env` (the devices it
+    may use); its metrics (<set>_<metric> for those)."""
     folder = unit.folder(out)
     folder.mkdir(parents=True, exist_ok=True)
     log = folder / "log.txt"
-    _run(runner, finetune_command(suite, unit, files, model, overrides, folder), log, unit)
+    _run(runner, finetune_command(suite, unit, files, model, overrides, folder), log, unit, env)
     found = dict(read_json_object(folder / "run" / "summary.json")["out_of_fold"])
     for name in suite.tasks[unit.task].also:
         scores = folder / f"{name}.json"
         cmd = [sys.executable, "-m", "bertforge.cli", "evaluate", "--model", str(folder / "run"),
                "--data", str(files[name]), "--out", str(scores)]  # fmt: skip
-        _run(runner, cmd, log, unit)
+        _run(runner, cmd, log, unit, env)
         found.update({f"{name}_{k}": v for k, v in read_json_object(scores).items() if isinstance(v, (int, float))})
     return found
 
 
-def _run(runner: Runner, cmd: list[str], log: Path, unit: Unit) -> None:
-    code = runner(cmd, log)
+def _run(runner: Runner, cmd: list[str], log: Path, unit: Unit, env: dict[str, str]) -> None:
+    code = runner(cmd, log, env)
     if code == 143:
         raise Stopped(f"{unit.task} lr {unit.lr:g} seed {unit.seed} stopped with its checkpoint saved")
     if code != 0:
@@ -197,30 +173,40 @@ def _lr_and_seed(cfg: SuiteConfig, overrides: Sequence[str]) -> tuple[SuiteConfi
     return dataclasses.replace(cfg, lrs=(lr,)), [o for o in overrides if not o.startswith("--optim.lr=")]
 
 
-def main(cfg: SuiteConfig, overrides: Sequence[str] = (), runner: Runner = run_logged) -> dict[str, Any]:
-    """Run every unit not finished yet, then write the scoreboard of the tasks run; returns it."""
+def main(cfg: SuiteConfig, overrides: Sequence[str] = (), runner: Runner | None = None) -> dict[str, Any]:
+    """Run every unit not finished yet, one at a time or several at once over cfg.devices, then write the
+    scoreboard of the tasks run; returns it."""
     cfg, overrides = _lr_and_seed(cfg, overrides)
     suite = load_suite(cfg.suite)
     names = pick_tasks(suite, cfg.tasks)
     out = Path(cfg.out)
     files = {short: prepared_files(suite, short, cfg.data, out) for short in names}
-    results: dict[str, list[dict[str, Any]]] = {short: [] for short in names}
-    for unit in units_of(suite, cfg, names):
+    processes = suite_units.Processes()
+
+    def one(unit: Unit, env: dict[str, str]) -> tuple[dict[str, Any], str]:
         done = unit.folder(out) / "unit.json"
         start = time.perf_counter()
         if done.exists():
-            result, when = read_json_object(done), "finished before"
-        else:
-            metrics = run_unit(suite, unit, files[unit.task], cfg.model, overrides, out, runner)
-            result = _result(suite, unit, metrics)
-            write_atomic(done, finite_json(result, indent=2) + "\n")
-            when = f"{time.perf_counter() - start:.0f} s"
+            return read_json_object(done), "finished before"
+        metrics = run_unit(suite, unit, files[unit.task], cfg.model, overrides, out, runner or processes.run, env)
+        result = _result(suite, unit, metrics)
+        write_atomic(done, finite_json(result, indent=2) + "\n")
+        return result, f"{time.perf_counter() - start:.0f} s"
+
+    def finished(unit: Unit, found: tuple[dict[str, Any], str]) -> None:
         if not cfg.keep_models:
             _drop_models(unit.folder(out))
-        results[unit.task].append(result)
         main_metric = suite.tasks[unit.task].metrics[0]
-        print(f"{unit.task} lr {unit.lr:g} seed {unit.seed}: {main_metric} {result['metrics'][main_metric]:.4f} "
-              f"({when})", flush=True)  # fmt: skip
+        print(f"{unit.task} lr {unit.lr:g} seed {unit.seed}: {main_metric} {found[0]['metrics'][main_metric]:.4f} "
+              f"({found[1]})", flush=True)  # fmt: skip
+
+    units = units_of(suite, cfg, names)
+    with processes.forwarding():
+        found = suite_units.run_all(units, one, suite_units.device_slots(cfg.devices), finished,
+                                    interrupted=lambda: processes.send(signal.SIGINT))  # fmt: skip
+    results: dict[str, list[dict[str, Any]]] = {short: [] for short in names}
+    for unit, (result, _) in zip(units, found, strict=True):
+        results[unit.task].append(result)
     board = scoreboard.scoreboard(suite, cfg.model, results)
     scoreboard.write(board, out)
     return board
