@@ -28,7 +28,7 @@ The two sides alternate which runs a seed first. The suite's time is the sum of 
 scoreboard of each side is computed by the suite's rule (a task's score the mean of its metrics' means in percent,
 the average the mean over tasks).
 
-    .venv/bin/python benchmarks/jglue_suite.py --model runs/ja-mini-hf --lr 3e-4 --train-fraction 0.1 --seeds 0 1 2
+    .venv/bin/python benchmarks/jglue_suite.py --model runs/ja-mini-hf --lr 3e-4 --train-fraction 0.1 --seeds 3
     .venv/bin/python benchmarks/jglue_suite.py --lr 1e-4 --train-fraction 0.03 --epochs 1   # all-MiniLM-L6-v2
 """
 

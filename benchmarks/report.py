@@ -133,14 +133,15 @@ def render_readme(lines: list[dict], rows: tuple[tuple[str, str, str], ...] = RE
     return "\n".join(out).rstrip("\n")
 
 
-def begin(benchmark: str | None = None) -> str:
-    """The line a rendered table starts after: the README's, or a benchmark's on the results page."""
-    return BEGIN if benchmark is None else BEGIN.replace("<!-- results:", f"<!-- results of {benchmark}:")
+def begin(benchmark: str | None = None, kind: str = "results") -> str:
+    """The line a rendered table starts after: the README's, or a benchmark's `kind` of table ("results",
+    "scoreboards") on the results page."""
+    return BEGIN if benchmark is None else BEGIN.replace("<!-- results:", f"<!-- {kind} of {benchmark}:")
 
 
-def rendered(text: str, table: str, benchmark: str | None = None) -> str:
-    """`text` with the part between begin(benchmark) and the END after it replaced by `table`."""
-    start = text.index(begin(benchmark)) + len(begin(benchmark))
+def rendered(text: str, table: str, benchmark: str | None = None, kind: str = "results") -> str:
+    """`text` with the part between begin(benchmark, kind) and the END after it replaced by `table`."""
+    start = text.index(begin(benchmark, kind)) + len(begin(benchmark, kind))
     end = text.index(END, start)
     return text[:start] + "\n" + table + "\n" + text[end:]
 
