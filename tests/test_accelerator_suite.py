@@ -42,9 +42,9 @@ def test_smoke_runs_every_part(tmp_path):
     assert (tmp_path / "out" / "accelerator_suite.png").stat().st_size > 0
 
 
+@pytest.mark.slow  # `make slow`: test_same_work checks finetune_end_to_end.py's recipes in every run of the suite
 def test_smoke_fine_tuning_part_runs_both_systems(tmp_path):
-    """The part that drives finetune_end_to_end.py's systems: outside the slow marker, since that script's options
-    change more often than the step parts."""
+    """The part that drives finetune_end_to_end.py's systems."""
     rows = run_suite(tmp_path, "--smoke", "--parts", "finetune-commonlit")["rows"]
     assert not [r for r in rows if "failed" in r], rows
     runs = {r["run"]: r for r in rows}

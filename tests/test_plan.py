@@ -22,7 +22,7 @@ from bertforge.tasks.pretrain import PretrainConfig
 CASES = [
     ("tiny", {"global_batch": 16, "grad_accum": 2}, {"num_devices": 1}, 128),
     ("mini", {"global_batch": 64}, {}, 128),
-    ("small", {"global_batch": 4}, {"num_devices": 1}, 512),
+    pytest.param("small", {"global_batch": 4}, {"num_devices": 1}, 512, marks=pytest.mark.slow),
     pytest.param("medium", {"global_batch": 64}, {}, 128, marks=pytest.mark.slow),  # `make slow`
     ("base", {"global_batch": 64}, {}, 128),
 ]
