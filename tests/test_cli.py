@@ -302,7 +302,8 @@ def _leaf_defaults(cls, default=dataclasses.MISSING, prefix=""):
         else:
             value = f.default
         tp = hints[f.name]
-        section = next((t for t in (tp, *typing.get_args(tp)) if dataclasses.is_dataclass(t)), None)
+        listed = typing.get_origin(tp) in (tuple, list)  # a list of sections (phases) is one value
+        section = None if listed else next((t for t in (tp, *typing.get_args(tp)) if dataclasses.is_dataclass(t)), None)
         if section is not None:
             out.update(_leaf_defaults(section, value, f"{prefix}{f.name}."))
         else:

@@ -48,7 +48,7 @@ COMMANDS: dict[str, Command] = {
         "bertforge.tasks.pretrain:PretrainConfig",
         stage_runs.run_pretrain,
         "Overrides such as --train.max_steps=1000 --optim.lr=1e-3 follow the flags.",
-        aliases={"--data": "data.shards", "--tokenizer": "data.tokenizer"},
+        aliases={"--data": "data.shards", "--sources": "data.sources", "--tokenizer": "data.tokenizer"},
         options=options("config", "out", "resume"),
         yaml=True,
     ),

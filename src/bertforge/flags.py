@@ -240,6 +240,10 @@ def _add_flag(parser: Any, field: Field, flag: str, sep: str | None = None, meta
     parser.add_argument(*names, dest=field.path, required=default is MISSING, **kwargs)
 
 
+def _is_list_of_sections(tp: Any) -> bool:
+    return typing.get_origin(tp) in (tuple, list) and any(dataclasses.is_dataclass(a) for a in typing.get_args(tp))
+
+
 def _add_override(parser: Any, field: Field) -> None:
     """A section's field as `--section.key=value`: the value is read as YAML and checked by the config's loader,
     exactly as an override of a key without a flag is."""
@@ -269,7 +273,10 @@ def add_flags(parser: argparse.ArgumentParser, command: Command) -> None:
         _add_flag(parser, by_path[name], "", metavar=metavar, rest=command.remainder and last)
     for f in fields:
         if "." not in f.path and f.path not in command.positional:
-            _add_flag(parser, f, replaced.get(f.path, "--" + f.path.replace("_", "-")))
+            if _is_list_of_sections(f.type):  # pretraining's phases: one YAML value, as a config file gives it
+                _add_override(parser, f)
+            else:
+                _add_flag(parser, f, replaced.get(f.path, "--" + f.path.replace("_", "-")))
     for flag, alias in aliases.items():
         if "." in alias.path:
             _add_flag(parser, by_path[alias.path], flag, alias.sep)

@@ -8,13 +8,18 @@ import shutil
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
+import yaml
 from conftest import bertforge, kill_when, killer, rng, run_killed, run_ok, seeds
+from flax import nnx
 from test_finetune import FAST, river_rows, write_table
 from test_preprocess import make_documents, write_text
+from test_preprocess import run as run_preprocess
 from test_pretrain import losses, params_of
 
+from bertforge.model.load import load_run
 from bertforge.train.checkpoint import damage
 
 # The kills are timed against an uninterrupted run: `make test` runs these alone, after the rest, so that another
@@ -36,7 +41,10 @@ RTD = ["--objective=rtd", "--model.family=electra", "--model.embedding_size=16",
 
 
 def pretrain_args(shards: Path, out: Path, *extra: str) -> list[str]:
-    return ["pretrain", "--data", str(shards), "--out", str(out), *PRETRAIN, *extra]
+    data = [] if "--sources" in extra else ["--data", str(shards)]  # a mixture names its folders itself
+    phased = "--config" in extra  # the config of a run in phases: its phases' steps are the budget
+    flags = [f for f in PRETRAIN if not (phased and f.startswith("--train.max_steps"))]
+    return ["pretrain", *data, "--out", str(out), *flags, *extra]
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +65,10 @@ def assert_same_run(reference: Path, run: Path) -> None:
         assert losses(run, key) == losses(reference, key), key
     for x, y in zip(params_of(reference), params_of(run), strict=True):
         np.testing.assert_array_equal(y, x)
+    if yaml.safe_load((run / "config.yaml").read_text())["train"].get("ema"):
+        ema = (nnx.state(load_run(r, weights="ema").model, nnx.Param) for r in (reference, run))
+        for x, y in zip(*(jax.tree.leaves(e) for e in ema), strict=True):
+            np.testing.assert_array_equal(np.asarray(y), np.asarray(x))
     if (run / "config.yaml").read_text().count("objective: rtd"):
         for x, y in zip(params_of(reference, part="generator"), params_of(run, part="generator"), strict=True):
             np.testing.assert_array_equal(y, x)
@@ -71,10 +83,13 @@ def resume_and_compare(shards: Path, reference: Path, run: Path, *extra: str) ->
     assert_same_run(reference, run)
 
 
-def kill_at_a_random_step_and_resume(shards: Path, reference: Path, run: Path, stream: str, seed: int, *extra: str):
-    """Kill -9 the run once it has logged a random step (after a random delay), then run the same command again."""
+def kill_at_a_random_step_and_resume(
+    shards: Path, reference: Path, run: Path, stream: str, seed: int, *extra: str, steps: tuple[int, int] = (2, 28)
+):
+    """Kill -9 the run once it has logged a random step of `steps` (after a random delay), then run the same command
+    again."""
     r = rng(stream, seed)
-    step, delay = r.randint(2, 28), r.uniform(0, 0.1)
+    step, delay = r.randint(*steps), r.uniform(0, 0.1)
     kill_when(bertforge(*pretrain_args(shards, run, *extra)), lambda: max(losses(run), default=0) >= step, delay)
     resume_and_compare(shards, reference, run, *extra)
 
@@ -92,7 +107,8 @@ def modernbert_reference(shards, tmp_path_factory) -> Path:
     return out
 
 
-@pytest.mark.parametrize("seed", seeds())
+# In the slow set (make faults): every run of the suite kills a ModernBERT in the second phase of a phased run below.
+@pytest.mark.parametrize("seed", seeds(fast=0))
 def test_modernbert_pretrain_killed_at_a_random_step(shards, modernbert_reference, tmp_path, tally, seed):
     tally("kill")
     kill_at_a_random_step_and_resume(
@@ -105,6 +121,50 @@ def rtd_reference(shards, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("reference") / "rtd"
     run_ok(bertforge(*pretrain_args(shards, out, *RTD)))
     return out
+
+
+@pytest.fixture(scope="module")
+def mixture(shards, wordpiece_dir, tmp_path_factory) -> tuple[list[str], Path]:
+    """A mixture of `shards` and a small folder, with a moving average of the weights: (its flags, its reference)."""
+    tmp = tmp_path_factory.mktemp("mixture")
+    run_preprocess(tmp, wordpiece_dir, make_documents(n_docs=30, seed=11), name="small", seq_len=32, valid_fraction=0.1)
+    flags = ["--sources", f"{shards}=0.7", f"{tmp / 'small'}=0.3", "--train.ema=0.9"]
+    run_ok(bertforge(*pretrain_args(shards, tmp / "reference", *flags)))
+    return flags, tmp / "reference"
+
+
+# In the slow set (make faults): the loader's position and the optimizer's state resume as the kills above check in
+# every run of the suite; this adds the mixture's order (data/mixture.py) and the moving average in the state.
+@pytest.mark.parametrize("seed", seeds(fast=0))
+def test_mixture_pretrain_with_a_moving_average_killed_at_a_random_step(shards, mixture, tmp_path, tally, seed):
+    tally("kill")
+    flags, reference = mixture
+    kill_at_a_random_step_and_resume(shards, reference, tmp_path / "run", "mixture-step", seed, *flags)
+
+
+@pytest.fixture(scope="module")
+def phased(shards, wordpiece_dir, tmp_path_factory) -> tuple[list[str], Path]:
+    """A ModernBERT in two phases (tasks/phases.py), 12 steps of 32 tokens at a 30% mask rate, then 18 of 64 tokens
+    at 15% with a larger RoPE theta and a linear decay: (its flags, its reference)."""
+    tmp = tmp_path_factory.mktemp("phases")
+    run_preprocess(tmp, wordpiece_dir, make_documents(n_docs=200, seed=5), name="long", seq_len=64, valid_fraction=0.05)
+    phases = [
+        {"name": "short", "steps": 12, "mlm": {"rate": 0.3}},
+        {"name": "long", "steps": 18, "data": {"shards": str(tmp / "long")}, "mlm": {"rate": 0.15},
+         "optim": {"schedule": "linear", "warmup_steps": 0, "warmup_fraction": 0.0},
+         "model": {"global_rope_theta": 320_000.0, "max_position_embeddings": 64}},
+    ]  # fmt: skip
+    (tmp / "phases.yaml").write_text(yaml.safe_dump({"phases": phases}))
+    flags = ["--config", str(tmp / "phases.yaml"), *MODERNBERT, "--model.max_position_embeddings=32"]
+    run_ok(bertforge(*pretrain_args(shards, tmp / "reference", *flags)))
+    return flags, tmp / "reference"
+
+
+@pytest.mark.parametrize("seed", seeds())
+def test_phased_pretrain_killed_in_its_second_phase(shards, phased, tmp_path, tally, seed):
+    tally("kill")
+    flags, reference = phased
+    kill_at_a_random_step_and_resume(shards, reference, tmp_path / "run", "phase-step", seed, *flags, steps=(13, 28))
 
 
 # Every seed is in the slow set (make faults): the resume path is the one the BERT and ModernBERT kills above check in

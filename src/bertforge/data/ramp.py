@@ -16,6 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from bertforge.data.mixture import MixedShards, MixtureLoader, loader_for
 from bertforge.data.shards import BatchLoader, Shards
 from bertforge.errors import UserError
 from bertforge.runtime.devices import batch_sharding
@@ -52,12 +53,12 @@ def ramp_of(global_batch: int, grad_accum: int, fraction: float, start_rows: int
 
 
 def make_loader(
-    shards: Shards, global_batch: int, ramp: Ramp | None, seed: int, mesh: jax.sharding.Mesh
+    shards: Shards | MixedShards, global_batch: int, ramp: Ramp | None, seed: int, mesh: jax.sharding.Mesh
 ) -> BatchLoader | RampedLoader:
     """The training loader: BatchLoader's global batches, or with a ramp, RampedLoader's growing ones (micro-batches
     of global_batch / ramp.end rows)."""
     if ramp is None:
-        return BatchLoader(shards, global_batch, seed=seed, sharding=batch_sharding(mesh))
+        return loader_for(shards, global_batch, seed, batch_sharding(mesh))
     return RampedLoader(shards, global_batch // ramp.end, ramp, seed, batch_sharding(mesh))
 
 
@@ -66,8 +67,10 @@ class RampedLoader:
     so that row i*n + k is row i of micro-batch k (the train step's accumulation layout: each device keeps its rows
     of every micro-batch)."""
 
-    def __init__(self, shards: Shards, micro: int, ramp: Ramp, seed: int, sharding: jax.sharding.Sharding):
-        self.micro = BatchLoader(shards, micro, seed=seed)  # host rows, prefetched; placed on devices here
+    def __init__(
+        self, shards: Shards | MixedShards, micro: int, ramp: Ramp, seed: int, sharding: jax.sharding.Sharding
+    ):
+        self.micro = loader_for(shards, micro, seed)  # host rows, prefetched; placed on devices here
         self.ramp, self.sharding, self.seq_len = ramp, sharding, shards.seq_len
         self.batches_per_epoch = self.micro.batches_per_epoch // ramp.end  # of full batches, for messages
 
@@ -85,6 +88,9 @@ class RampedLoader:
     def epoch_of(self, _step: int) -> int:
         """The epoch of the last micro-batch served (a step's rows depend on the ramp, not on its index alone)."""
         return self.micro.epoch_of(max(self.micro.step - 1, 0))
+
+    def tokens_by_source(self) -> dict[str, int] | None:
+        return self.micro.tokens_by_source() if isinstance(self.micro, MixtureLoader) else None
 
     def state_dict(self) -> dict[str, Any]:
         return {"micro_batches": self.micro.state_dict()}

@@ -285,6 +285,8 @@ class BatchLoader:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "micro_batches" in state:
             raise UserError("the checkpoint was taken with train.batch_ramp; resume it with the same ramp")
+        if "mixture" in state:
+            raise UserError(f"the checkpoint was taken reading the mixture {state['mixture']}; resume it with it")
         for key in ("seed", "global_batch", "num_sequences"):
             if int(state[key]) != self.state_dict()[key]:
                 raise UserError(

@@ -22,8 +22,8 @@ from bertforge.model.rtd import RtdConfig, build_pair, discriminator_alone
 from bertforge.runs import CHECKPOINTS, CONFIG, RUN_FILE, TOKENIZER, fold_models, is_run
 from bertforge.tokenizer.load import Tokenizer
 from bertforge.train.checkpoint import Checkpoints
-from bertforge.train.loss_scale import with_loss_scale
-from bertforge.train.optim import OptimConfig, make_optimizer
+from bertforge.train.ema import ema_weights
+from bertforge.train.optim import OptimConfig, pretraining_optimizer
 from bertforge.train.step import TrainState
 
 
@@ -43,40 +43,109 @@ def _step(checkpoints: Checkpoints, which: str, run: Path) -> int:
     return int(which)
 
 
-def load_run(run: str | Path, which: str = "latest", part: str = "") -> Pretrained:
-    """The model of a pretraining run at a checkpoint ('latest': the newest whole one, 'best', or a step number),
-    with the run's tokenizer. Of a replaced-token detection run, `part` 'discriminator' (the default: alone, see
-    model/rtd.py) or 'generator'."""
-    run = Path(run)
-    if not is_run(run):
-        raise UserError(f"{run}: not a bertforge run (no {RUN_FILE} and {CHECKPOINTS}/)")
-    data = read_yaml(run / CONFIG)
-    model_cfg = from_dict(ModelConfig, data.get("model", {}), "model")
-    optim = from_dict(OptimConfig, data.get("optim", {}), "optim")
+WEIGHTS = ("params", "ema")  # what a run's checkpoint gives: the trained weights, or their moving average
+
+
+def average_steps(spec: str, steps: Collection[int], run: Path, keep_last: int | None = None) -> list[int]:
+    """The checkpoints `--average SPEC` names among a run's `steps`: 'last:N' (the newest N) or 'step:A,B,C'."""
+    kind, _, values = spec.partition(":")
+    kept = ", ".join(map(str, sorted(steps))) or "none"
+    if kind == "last" and values.isdigit() and int(values) >= 1:
+        n = int(values)
+        if n > len(steps):
+            keep = f"checkpoint.keep_last is {keep_last}; " if keep_last is not None else ""
+            raise UserError(
+                f"{run}: --average {spec}: the run kept {len(steps)} checkpoint(s) (steps {kept}); {keep}set "
+                f"checkpoint.keep_last to {n} or more before training to keep the checkpoints to average"
+            )
+        return sorted(steps)[-n:]
+    chosen = [int(v) for v in values.split(",") if v.strip().isdigit()] if kind == "step" else []
+    if not chosen or len(chosen) != len(values.split(",")):
+        raise UserError(f"--average {spec!r}: last:N (the newest N checkpoints) or step:A,B,C (those steps)")
+    missing = sorted(set(chosen) - set(steps))
+    if missing:
+        raise UserError(f"{run}: --average {spec}: no checkpoint at step {missing[0]} (there are {kept})")
+    return sorted(set(chosen))
+
+
+def mean_of(trees: list[Any]) -> Any:
+    """The element-wise mean of weight trees of one structure, summed in float32 (model merging's uniform soup)."""
+    total = jax.tree.map(lambda *xs: sum(jnp.asarray(x, jnp.float32) for x in xs), *trees)
+    return jax.tree.map(lambda t, x: (t / len(trees)).astype(x.dtype), total, trees[0])
+
+
+def _run_model(data: dict[str, Any], changes: dict[str, Any] | None = None) -> tuple[Any, Any, Any, ModelConfig]:
+    """(graphdef, params, rest, model config) of a pretraining run's config `data`, its model section with
+    `changes` (what the phase of a checkpoint ran: tasks/phases.py)."""
+    model_cfg = from_dict(ModelConfig, {**data.get("model", {}), **(changes or {})}, "model")
     seed = int((data.get("train") or {}).get("seed", 0))  # the dropout keys the run's model was built with
-    rtd = data.get("objective") == "rtd"
-    if part and not rtd:
-        raise UserError(f"{run}: --part {part}: a masked-LM run has one model; parts are of replaced-token detection")
-    if rtd:
+    if data.get("objective") == "rtd":
         model: Any = build_pair(model_cfg, from_dict(RtdConfig, data.get("rtd") or {}, "rtd"), seed)
     else:
         model = build(model_cfg, "mlm", seed=seed)
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    tx = with_loss_scale(make_optimizer(optim, params, model_cfg.num_layers), model_cfg.dtype)
-    target = TrainState(jnp.int32(0), params, jax.eval_shape(tx.init, params))
+    return (*nnx.split(model, nnx.Param, ...), model_cfg)
+
+
+def _target(data: dict[str, Any], params: Any, model_cfg: ModelConfig) -> TrainState:
+    """The train state a checkpoint of the run restores into."""
+    optim = from_dict(OptimConfig, data.get("optim", {}), "optim")
+    tx = pretraining_optimizer(optim, params, model_cfg, float((data.get("train") or {}).get("ema") or 0.0))
+    return TrainState(jnp.int32(0), params, jax.eval_shape(tx.init, params))
+
+
+def _restore(checkpoints: Checkpoints, which: str, average: str, target: Any, run: Path, keep: Any) -> dict:
+    """{step: (state, metadata)} of the checkpoint `which` names, or of each checkpoint `average` names."""
+    if average:
+        return {s: checkpoints.restore(s, target) for s in average_steps(average, checkpoints.all_steps(), run, keep)}
+    step = _step(checkpoints, which, run)
+    if which != "latest":
+        return {step: checkpoints.restore(step, target)}
+    found = checkpoints.restore_newest_good(target)  # the newest whole one
+    if found is None:
+        raise UserError(f"{run}: every checkpoint is damaged")
+    return {found[0]: found[1:]}
+
+
+def _weights(state: TrainState, weights: str, data: dict[str, Any], run: Path, step: int) -> Any:
+    if weights == "params":
+        return state.params
+    decay = float((data.get("train") or {}).get("ema") or 0.0)
+    if not decay:
+        raise UserError(f"{run}: --weights ema: the run kept no moving average of its weights (train.ema was not set)")
+    averaged = ema_weights(state.opt_state, decay)
+    if averaged is None:
+        raise UserError(f"{run}: --weights ema: checkpoint {step} was saved before the first update")
+    return averaged
+
+
+def load_run(
+    run: str | Path, which: str = "latest", part: str = "", weights: str = "params", average: str = ""
+) -> Pretrained:
+    """The model of a pretraining run at a checkpoint ('latest': the newest whole one, 'best', or a step number),
+    with the run's tokenizer. Of a replaced-token detection run, `part` 'discriminator' (the default: alone, see
+    model/rtd.py) or 'generator'. `weights` 'ema': the moving average of the weights the run kept (train.ema);
+    `average` 'last:N' or 'step:A,B,C': the mean of those checkpoints' weights (Pretrained.step: the newest)."""
+    run = Path(run)
+    if not is_run(run):
+        raise UserError(f"{run}: not a bertforge run (no {RUN_FILE} and {CHECKPOINTS}/)")
+    if weights not in WEIGHTS:
+        raise UserError(f"--weights {weights!r}: one of {', '.join(WEIGHTS)}")
+    data = read_yaml(run / CONFIG)
+    graphdef, params, rest, model_cfg = _run_model(data)
+    rtd = data.get("objective") == "rtd"
+    if part and not rtd:
+        raise UserError(f"{run}: --part {part}: a masked-LM run has one model; parts are of replaced-token detection")
     checkpoints = Checkpoints(run / CHECKPOINTS)
     try:
-        step = _step(checkpoints, which, run)
-        if which == "latest":  # the newest whole one
-            found = checkpoints.restore_newest_good(target)
-            if found is None:
-                raise UserError(f"{run}: every checkpoint is damaged")
-            step, state, _ = found
-        else:
-            state, _ = checkpoints.restore(step, target)
+        keep = (data.get("checkpoint") or {}).get("keep_last")
+        states = _restore(checkpoints, which, average, _target(data, params, model_cfg), run, keep)
     finally:
         checkpoints.close()
-    model = nnx.merge(graphdef, state.params, rest)
+    step = max(states)
+    if states[step][1].get("model"):  # a phase changed the model's positions: as it ran them
+        graphdef, _, rest, _ = _run_model(data, states[step][1]["model"])
+    weights_of = [_weights(state, weights, data, run, n) for n, (state, _) in states.items()]
+    model = nnx.merge(graphdef, mean_of(weights_of), rest)
     if rtd:
         model = model.generator if part == "generator" else discriminator_alone(model)
     tokenizer = Tokenizer.load(run / TOKENIZER)

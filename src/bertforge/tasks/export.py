@@ -24,7 +24,7 @@ from bertforge.errors import UserError
 from bertforge.fileio import copy_folder_into, fill_folder_into, read_json_object, write_atomic
 from bertforge.model.heads import Model
 from bertforge.model.hf import WEIGHT_DTYPES, read_weights, save_pretrained, weight_files, weights_blob
-from bertforge.model.load import load_run
+from bertforge.model.load import WEIGHTS, load_run
 from bertforge.tokenizer.load import Tokenizer
 from bertforge.train.metrics_log import read_metrics
 
@@ -43,9 +43,15 @@ class ExportConfig:
     datasets: tuple[str, ...] = ()  # the model card's datasets (Hub dataset ids)
     license: str = ""  # the model card's license (a Hub license id such as apache-2.0)
     dtype: str = "float32"  # the weights' dtype in model.safetensors: float32, or float16 or bfloat16 (half the size)
+    weights: str = "params"  # of a pretraining run: its weights (params), or the moving average it kept (ema)
+    average: str = ""  # the mean of checkpoints' weights in place of --step's one: last:N (the newest N) or step:A,B,C
 
     def __post_init__(self) -> None:
         problem = hub.repo_problem(self.push_to_hub) if self.push_to_hub else None
+        if self.weights not in WEIGHTS:
+            raise ValueError(f"--weights {self.weights!r}: one of {', '.join(WEIGHTS)}")
+        if self.average and self.step != "latest":
+            raise ValueError(f"--average {self.average} and --step {self.step}: give one of them")
         if self.dtype not in WEIGHT_DTYPES:
             raise ValueError(f"--dtype {self.dtype!r}: one of {', '.join(WEIGHT_DTYPES)}")
         if self.part not in ("", "discriminator", "generator"):
@@ -63,13 +69,14 @@ def export_pretrained(
     name: str = "",
     card: dict[str, Any] | None = None,
     dtype: str = "float32",
+    how: dict[str, Any] | None = None,
 ) -> Path:
     """Write pretraining run `run`'s `model` (its state at `step`) into `out`, with a model card and the run's
     run.json (and where it lies) as bertforge.json, its weights in `dtype`. `card` holds the card's language,
-    datasets and license."""
+    datasets and license; `how`, which weights of the checkpoint(s) these are (export's --weights, --average)."""
     run = Path(run)
     info = runs.read_info(run) or {}
-    provenance = json.dumps({"run": str(run.absolute()), "step": step, **info}, indent=2) + "\n"
+    provenance = json.dumps({"run": str(run.absolute()), "step": step, **(how or {}), **info}, indent=2) + "\n"
     config = read_yaml(run / runs.CONFIG) if (run / runs.CONFIG).exists() else {}
     config.pop("hub", None)  # where it was pushed is no part of how it was trained
     records = [r for r in read_metrics(run) if r.get("step", 0) <= step]
@@ -94,8 +101,8 @@ def main(cfg: ExportConfig) -> tuple[Path | None, str | None, str]:
     if not cfg.out and not cfg.push_to_hub:
         raise UserError("nowhere to export to: give --out FOLDER, --push-to-hub ORG/NAME, or both")
     folds = runs.fold_models(cfg.run)
-    if folds is not None and (cfg.part or cfg.step not in ("latest", "best")):
-        option = f"--part {cfg.part}" if cfg.part else f"--step {cfg.step}"
+    if folds is not None and (cfg.part or cfg.average or cfg.weights != "params" or cfg.step not in ("latest", "best")):
+        option = next(f"--{k} {v}" for k, v in _pretraining_options(cfg) if v)
         raise UserError(f"{cfg.run}: {option} is for pretraining runs; a fine-tuning run exports its folds' models")
     # A temporary folder only for a push without --out: one made anyway outlives an export killed mid-way.
     scratch = contextlib.nullcontext("") if cfg.out else tempfile.TemporaryDirectory(prefix="bertforge-export-")
@@ -106,12 +113,20 @@ def main(cfg: ExportConfig) -> tuple[Path | None, str | None, str]:
     return (Path(cfg.out) if cfg.out else None), url, what
 
 
+def _pretraining_options(cfg: ExportConfig) -> list[tuple[str, str]]:
+    step = cfg.step if cfg.step not in ("latest", "best") else ""
+    return [("part", cfg.part), ("average", cfg.average), ("weights", cfg.weights * (cfg.weights != "params")),
+            ("step", step)]  # fmt: skip
+
+
 def _export_checkpoint(cfg: ExportConfig, out: Path) -> str:
-    pre = load_run(cfg.run, cfg.step, cfg.part)
+    pre = load_run(cfg.run, cfg.step, cfg.part, cfg.weights, cfg.average)
     assert pre.tokenizer is not None and pre.step is not None
     card = {"language": cfg.language, "datasets": cfg.datasets, "license": cfg.license}
-    export_pretrained(pre.model, pre.tokenizer, cfg.run, out, pre.step, cfg.push_to_hub, card, cfg.dtype)
-    return f"step {pre.step}"
+    how = {"weights": cfg.weights, **({"average": cfg.average} if cfg.average else {})}
+    export_pretrained(pre.model, pre.tokenizer, cfg.run, out, pre.step, cfg.push_to_hub, card, cfg.dtype, how)
+    what = f"the mean of checkpoints {cfg.average} (newest: step {pre.step})" if cfg.average else f"step {pre.step}"
+    return f"{what}, its moving average" if cfg.weights == "ema" else what
 
 
 def export_folds(models: list[Path], out: Path, dtype: str = "float32") -> str:

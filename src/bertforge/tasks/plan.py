@@ -44,9 +44,8 @@ from bertforge.runtime.devices import (
 )
 from bertforge.tasks.pretrain import PretrainConfig
 from bertforge.train import objectives
-from bertforge.train.loss_scale import with_loss_scale
 from bertforge.train.objectives import compile_steps
-from bertforge.train.optim import make_optimizer
+from bertforge.train.optim import pretraining_optimizer
 from bertforge.train.step import abstract_train_state, prediction_capacity
 
 MiB = 2**20
@@ -70,7 +69,7 @@ class Plan:
     def table(self) -> str:
         rows = [
             ("parameters (float32)", self.parameters),
-            ("optimizer state (AdamW moments)", self.optimizer),
+            ("optimizer state (AdamW moments, moving average)", self.optimizer),
             ("gradients", self.gradients),
             ("activations at the peak", self.activations),
             ("peak of the step", self.peak),
@@ -116,7 +115,7 @@ def estimate(cfg: PretrainConfig, devices: int, seq_len: int) -> Plan:
     n = b * seq_len
     d, f, v, heads, layers = m.hidden_size, m.intermediate_size, m.vocab_size, m.num_heads, m.num_layers
     params, _ = parameter_bytes(m, mesh)
-    optimizer = ADAM_MOMENTS * params
+    optimizer = (ADAM_MOMENTS + (1 if cfg.train.ema else 0)) * params  # train.ema: one more copy
     gradients = params
     act = 2 if m.dtype == "bfloat16" else 4  # hidden states; attention probabilities stay float32
     scores = family_module(m).SCORE_BUFFERS  # float32 (heads x length^2) buffers per layer
@@ -147,7 +146,7 @@ def compiled_bytes(cfg: PretrainConfig, seq_len: int) -> int:
         param_shardings(model, mesh),
         params,
     )
-    tx = with_loss_scale(make_optimizer(cfg.optim, params, cfg.model.num_layers), cfg.model.dtype)
+    tx = pretraining_optimizer(cfg.optim, params, cfg.model, cfg.train.ema)
     state = abstract_train_state(params, tx, mesh)
     specials = tuple(range(5))
     masking = MaskingSpec(mask_id=4, vocab_size=cfg.model.vocab_size, special_ids=specials, rate=cfg.mlm.rate)

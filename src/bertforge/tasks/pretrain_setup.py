@@ -17,6 +17,7 @@ from flax import nnx
 
 from bertforge import hub, runs
 from bertforge.config import to_dict
+from bertforge.data.mixture import MixedShards, training_shards
 from bertforge.data.shards import Shards
 from bertforge.errors import UserError
 from bertforge.fileio import write_folder_atomic
@@ -29,9 +30,12 @@ from bertforge.tasks.init import fit_to_tokenizer
 from bertforge.tokenizer.load import Tokenizer
 from bertforge.train import loop, objectives
 from bertforge.train.checkpoint import Checkpoints
-from bertforge.train.loss_scale import with_loss_scale
-from bertforge.train.optim import make_optimizer
+from bertforge.train.optim import pretraining_optimizer
 from bertforge.train.step import TrainState, new_train_state
+
+# Settings a pretraining run may change when it continues, besides runs.FREE_SETTINGS: how long it trains (a finished
+# run given a larger budget goes on) and how it is evaluated.
+CONTINUABLE = ("train.max_steps", "train.max_epochs", "train.max_tokens", "train.time_budget_minutes", "eval")
 
 
 # ------------------------------------------------------------------------------------------------------ set-up
@@ -72,12 +76,14 @@ class Inputs:
     cfg: Any  # with the model section of the model trained: fitted to the tokenizer, or the one continued
     tokenizer: Tokenizer
     init: Pretrained | None  # the model --init-from continues
-    train: Shards
-    valid: Shards | None  # None: the shards have no validation split
+    train: Shards | MixedShards
+    valid: Shards | MixedShards | None  # None: the shards have no validation split
 
 
-def resolve(cfg: Any, run_dir: Path, vocab_given: bool, model_keys: Collection[str]) -> Inputs:
-    train_shards = Shards(cfg.data.shards, "train")
+def resolve(cfg: Any, run_dir: Path, vocab_given: bool, model_keys: Collection[str], check_data: bool = True) -> Inputs:
+    """The tokenizer, the model to continue and the shards of `cfg`, checked; without `check_data` (a run in phases,
+    whose phases check their own) the shards are not checked against the model and no validation split is read."""
+    train_shards = training_shards(cfg.data.shards, cfg.data.sources, cfg.data.temperature, "train")
     if cfg.init_from and cfg.objective == "rtd":
         raise UserError(f"--init-from {cfg.init_from}: continuing from a model is for objective mlm, not rtd")
     if cfg.objective == "rtd" and cfg.model.dtype == "float16":
@@ -87,21 +93,36 @@ def resolve(cfg: Any, run_dir: Path, vocab_given: bool, model_keys: Collection[s
     init = load_to_continue(cfg.init_from, cfg.model, model_keys, cfg.train.seed) if cfg.init_from else None
     tokenizer = _tokenizer(cfg, run_dir, train_shards, init)
     model_cfg = init.model.config if init is not None else fit_to_tokenizer(cfg.model, tokenizer, vocab_given)
-    train_shards.check_model(model_cfg.max_seq_len, model_cfg.vocab_size, "the model (model.max_position_embeddings)")
-    if train_shards.packed and model_cfg.family not in SEGMENT_FAMILIES:
+    cfg = dataclasses.replace(cfg, model=model_cfg)
+    return Inputs(cfg, tokenizer, init, train_shards, validation_of(cfg, train_shards) if check_data else None)
+
+
+def validation_of(cfg: Any, train: Shards | MixedShards) -> Shards | MixedShards | None:
+    """The validation split beside the training shards of `cfg.data` (None: they have none), once the shards are
+    checked against `cfg.model`."""
+    model_cfg = cfg.model
+    train.check_model(model_cfg.max_seq_len, model_cfg.vocab_size, "the model (model.max_position_embeddings)")
+    if train.packed and model_cfg.family not in SEGMENT_FAMILIES:
         raise UserError(
-            f"{cfg.data.shards}: packed shards need an architecture that attends within each packed sequence "
+            f"{train.root}: packed shards need an architecture that attends within each packed sequence "
             f"({', '.join(SEGMENT_FAMILIES)}), not {model_cfg.family}; preprocess without --pack"
         )
-    valid_shards: Shards | None = Shards(cfg.data.shards, "valid")
-    if valid_shards.num_sequences == 0:
-        valid_shards = None
-    else:
-        valid_shards.verify()  # checked now rather than at the first evaluation, steps later
-    return Inputs(dataclasses.replace(cfg, model=model_cfg), tokenizer, init, train_shards, valid_shards)
+    valid: Any = training_shards(cfg.data.shards, cfg.data.sources, cfg.data.temperature, "valid")
+    if valid.num_sequences == 0:
+        return None
+    valid.verify()  # checked now rather than at the first evaluation, steps later
+    return valid
 
 
-def _tokenizer(cfg: Any, run_dir: Path, shards: Shards, init: Pretrained | None) -> Tokenizer:
+def phase_inputs(inputs: Inputs, cfg: Any) -> Inputs:
+    """What a phase of the run reads (tasks/phases.py): its shards, checked against the run's tokenizer and the model
+    as the phase changes it."""
+    train: Any = training_shards(cfg.data.shards, cfg.data.sources, cfg.data.temperature, "train")
+    train.check_tokenizer(inputs.tokenizer, "the run's tokenizer")
+    return dataclasses.replace(inputs, cfg=cfg, train=train, valid=validation_of(cfg, train))
+
+
+def _tokenizer(cfg: Any, run_dir: Path, shards: Shards | MixedShards, init: Pretrained | None) -> Tokenizer:
     """The model's to continue, data.tokenizer, the run's own copy when it resumes, or the shards'; checked against
     the shards."""
     run_tokenizer = run_dir / runs.TOKENIZER
@@ -137,25 +158,37 @@ class ModelParts:
     num_params: int
 
 
+def phase_parts(cfg: Any, first: ModelParts, params: Any) -> ModelParts:
+    """ModelParts of a later phase: its model as the phase configures it (rotary positions), over the same weights
+    and optimizer state as the first phase's."""
+    graphdef, _, rest = nnx.split(objectives.build_model(cfg, cfg.model, cfg.train.seed), nnx.Param, ...)
+    tx = pretraining_optimizer(cfg.optim, params, cfg.model, cfg.train.ema)
+    return dataclasses.replace(first, graphdef=graphdef, rest=rest, tx=tx)
+
+
 def train_state(cfg: Any, init: Pretrained | None, mesh: Any) -> tuple[ModelParts, TrainState]:
     """Model, optimizer and state, laid out on the mesh by the logical-axis rules."""
     model = init.model if init is not None else objectives.build_model(cfg, cfg.model, cfg.train.seed)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     params = jax.device_put(params, param_shardings(model, mesh))
-    tx = with_loss_scale(make_optimizer(cfg.optim, params, cfg.model.num_layers), cfg.model.dtype)
+    tx = pretraining_optimizer(cfg.optim, params, cfg.model, cfg.train.ema)
     state = new_train_state(params, tx, mesh)
     state_shardings = jax.tree.map(lambda x: x.sharding, state)
     return ModelParts(graphdef, rest, tx, state_shardings, count_params(params)), state
+
+
+def restored(resume: str, run_dir: Path, checkpoints: Checkpoints, state: TrainState) -> tuple[TrainState, dict | None]:
+    """The state to start from and its checkpoint's metadata (None: from the start)."""
+    if resume in ("auto", "never"):
+        return runs.resume(checkpoints, state, run_dir, resume)
+    return restore_from(Path(resume), state)
 
 
 def resume_state(
     resume: str, run_dir: Path, checkpoints: Checkpoints, state: TrainState, loader: Any
 ) -> tuple[TrainState, int, float]:
     """The state to start from, its step and the seconds spent before it; the loader moved to where it was."""
-    if resume in ("auto", "never"):
-        state, meta = runs.resume(checkpoints, state, run_dir, resume)
-    else:
-        state, meta = restore_from(Path(resume), state)
+    state, meta = restored(resume, run_dir, checkpoints, state)
     if meta is None:
         return state, 0, 0.0
     loader.load_state_dict(meta["loader"])
@@ -169,7 +202,8 @@ def write_run_folder(run_dir: Path, cfg: Any, tokenizer: Tokenizer) -> None:
     if not (run_tokenizer / "tokenizer.json").exists():
         write_folder_atomic(run_tokenizer, tokenizer.save)
     runs.write_config(run_dir, cfg)
-    info = {"model": to_dict(cfg.model), "shards": cfg.data.shards, "objective": cfg.objective}
+    shards = cfg.data.shards or list(cfg.data.sources)
+    info = {"model": to_dict(cfg.model), "shards": shards, "objective": cfg.objective}
     runs.write_info(run_dir, "pretrain", info)
 
 

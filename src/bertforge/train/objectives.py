@@ -13,6 +13,7 @@ import numpy as np
 from flax import nnx
 
 from bertforge.data.masking import MaskingSpec, continuation_table
+from bertforge.data.mixture import MixedShards
 from bertforge.data.shards import Shards
 from bertforge.model.architectures import build
 from bertforge.model.config import ModelConfig
@@ -125,6 +126,20 @@ def evaluate(eval_fn: Any, params: Any, valid: Shards, cfg: Any, mesh: Any) -> d
     loss_sum, correct, count = (float(x) for x in jax.device_get(totals))
     loss = loss_sum / max(count, 1)
     return {"valid_loss": loss, "valid_perplexity": math.exp(min(loss, 50)), "valid_accuracy": correct / max(count, 1)}
+
+
+def evaluate_mixture(eval_fn: Any, params: Any, valid: MixedShards, cfg: Any, mesh: Any) -> dict[str, float]:
+    """evaluate() on each source's validation split (valid_loss_NAME, ...), and their mean by the mixture's weights
+    over the sources that have one: the loss on the mixture's own distribution."""
+    per, weights = {}, []
+    for name, part, weight in zip(valid.names, valid.parts, valid.weights, strict=True):
+        if part.num_sequences:
+            per[name] = evaluate(eval_fn, params, part, cfg, mesh)
+            weights.append(weight)
+    shares = np.asarray(weights) / sum(weights)
+    keys = next(iter(per.values())).keys()
+    mean = {k: float(sum(s * m[k] for s, m in zip(shares, per.values(), strict=True))) for k in keys}
+    return {**mean, **{f"{k}_{name}": v for name, m in per.items() for k, v in m.items()}}
 
 
 def flops_per_token(cfg: Any, model_cfg: ModelConfig, seq_len: int) -> float:

@@ -15,6 +15,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from bertforge.train.ema import with_ema
+from bertforge.train.loss_scale import with_loss_scale
+
 SCHEDULES = ("linear", "polynomial", "cosine", "constant", "wsd")
 
 
@@ -170,3 +173,9 @@ def make_optimizer(cfg: OptimConfig, params: Any = None, num_layers: int = 0) ->
 def set_learning_rate(opt_state: Any, lr: jax.Array) -> Any:
     """The optimizer state with this step's learning rate, set by its hyperparameter's name."""
     return optax.tree_utils.tree_set(opt_state, learning_rate=lr)
+
+
+def pretraining_optimizer(cfg: OptimConfig, params: Any, model: Any, ema: float = 0.0) -> optax.GradientTransformation:
+    """A pretraining run's optimizer, as its checkpoints hold its state: make_optimizer's, with the weights' moving
+    average when `ema` is set (train/ema.py), and a loss scale when `model` (a ModelConfig) computes in float16."""
+    return with_loss_scale(with_ema(make_optimizer(cfg, params, model.num_layers), ema), model.dtype)
