@@ -107,6 +107,7 @@ def test_the_rule_keeps_pallas_with_dropout_on_a_gpu_only():
         attn.choose_attention("pallas", "cpu", True, "float32")
 
 
+@pytest.mark.slow  # `make slow`: the kernels' equality to custom attention, dropout included, runs in every suite
 def test_a_model_trains_the_same_on_pallas_as_on_custom(monkeypatch):
     # BERT's layers with dropout on the hidden states and the probabilities, the last layer on its first token
     # only (explicit, past the kernels): the same dropout keys reach every implementation, so the loss and every

@@ -8,14 +8,12 @@ import collections
 import json
 from pathlib import Path
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 from jax import monitoring
 from test_preprocess import make_documents, run
 from test_pretrain import MODERNBERT, config
-from transformers import ModernBertForMaskedLM
+from test_pretrain_modernbert import assert_transformers_logits
 
 from bertforge.cli import main as cli
 from bertforge.config import from_dict, load_config, to_dict
@@ -82,18 +80,11 @@ def test_phases_run_with_their_own_settings_compile_once_each_and_export_the_ext
     assert cli(["export", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 0
     hf = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert (hf["max_position_embeddings"], hf["global_rope_theta"]) == (64, 320_000.0)
-    theirs = ModernBertForMaskedLM.from_pretrained(tmp_path / "hf", attn_implementation="eager").eval()
     tok = Tokenizer.load(wordpiece_dir)
     encs = tok.encode_batch([" ".join(["the river city had a music school by the station"] * 2), "a short one"])
     batch = pad_batch(encs, tok.pad_id, 64)
     assert 32 < batch["attention_mask"][0].sum() <= 64  # past the first phase's 32 positions
-    with torch.no_grad():
-        want = theirs(input_ids=torch.tensor(batch["input_ids"]), attention_mask=torch.tensor(batch["attention_mask"]))
-    model = load_run(tmp_path / "run").model
-    model.eval()
-    got = np.asarray(model(*(jnp.asarray(batch[k]) for k in ("input_ids", "attention_mask", "token_type_ids"))))
-    real = batch["attention_mask"] == 1
-    np.testing.assert_allclose(got[real], want.logits.numpy()[real], atol=1e-4, rtol=1e-4)
+    assert_transformers_logits(load_run(tmp_path / "run").model, tmp_path / "hf", batch)
 
     # A Hugging Face ModernBERT folder continued (--init-from) in a phase that extends it again.
     phases = [{"steps": 2, "data": {"shards": str(long_shards)}, "model": {"global_rope_theta": 640_000.0}}]

@@ -43,14 +43,18 @@ def test_a_modernbert_pretrains_and_its_export_gives_its_logits_in_transformers(
 
     assert cli(["export", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 0
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == "modernbert"
-    theirs = ModernBertForMaskedLM.from_pretrained(tmp_path / "hf", attn_implementation="eager").eval()
     tok = Tokenizer.load(wordpiece_dir)
     encs = tok.encode_batch(TEXTS)
     batch = pad_batch(encs, tok.pad_id, max(len(e.ids) for e in encs))  # padded, longer than the local window
     assert batch["attention_mask"].sum(1).min() < batch["input_ids"].shape[1] > 8
+    assert_transformers_logits(load_run(tmp_path / "run").model, tmp_path / "hf", batch)
+
+
+def assert_transformers_logits(model, folder: Path, batch: dict) -> None:
+    """`model`'s masked-LM logits on `batch` equal those transformers' ModernBERT gives from `folder` (its export)."""
+    theirs = ModernBertForMaskedLM.from_pretrained(folder, attn_implementation="eager").eval()
     with torch.no_grad():
         want = theirs(input_ids=torch.tensor(batch["input_ids"]), attention_mask=torch.tensor(batch["attention_mask"]))
-    model = load_run(tmp_path / "run").model
     model.eval()
     got = np.asarray(model(*(jnp.asarray(batch[k]) for k in ("input_ids", "attention_mask", "token_type_ids"))))
     real = batch["attention_mask"] == 1

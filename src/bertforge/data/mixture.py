@@ -19,7 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from bertforge.data.shards import BatchLoader, Shards
+from bertforge.data.shards import BatchLoader, Shards, rows_of_parts
 from bertforge.errors import UserError
 
 
@@ -126,13 +126,7 @@ class MixedShards:
 
     def rows(self, indices: np.ndarray) -> np.ndarray:
         """(n,) row numbers over the folders one after another -> (n, T) int32 token ids."""
-        indices = np.asarray(indices, np.int64)
-        which = np.searchsorted(self.offsets, indices, side="right") - 1
-        out = np.empty((len(indices), self.seq_len), np.int32)
-        for s in np.unique(which):
-            sel = which == s
-            out[sel] = self.parts[int(s)].rows(indices[sel] - self.offsets[s])
-        return out
+        return rows_of_parts(indices, self.offsets, self.seq_len, lambda s, rows: self.parts[s].rows(rows))
 
     def describe(self) -> str:
         shares = ", ".join(f"{n} {w:.1%}" for n, w in zip(self.names, self.weights, strict=True))

@@ -136,13 +136,19 @@ class Shards:
 
     def rows(self, indices: np.ndarray) -> np.ndarray:
         """(n,) global row indices -> (n, T) int32 token ids."""
-        indices = np.asarray(indices, np.int64)
-        which = np.searchsorted(self.offsets, indices, side="right") - 1
-        out = np.empty((len(indices), self.seq_len), np.int32)
-        for s in np.unique(which):
-            sel = which == s
-            out[sel] = self.shard(int(s))[indices[sel] - self.offsets[s]]
-        return out
+        return rows_of_parts(indices, self.offsets, self.seq_len, lambda s, rows: self.shard(s)[rows])
+
+
+def rows_of_parts(indices: np.ndarray, offsets: np.ndarray, seq_len: int, read: Any) -> np.ndarray:
+    """(n,) row numbers over parts laid one after another (part s: rows offsets[s]..offsets[s+1]-1) -> (n, T) int32
+    token ids, `read(s, rows)` giving part s's rows."""
+    indices = np.asarray(indices, np.int64)
+    which = np.searchsorted(offsets, indices, side="right") - 1
+    out = np.empty((len(indices), seq_len), np.int32)
+    for s in np.unique(which):
+        sel = which == s
+        out[sel] = read(int(s), indices[sel] - offsets[s])
+    return out
 
 
 class BatchLoader:

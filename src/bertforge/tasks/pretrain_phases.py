@@ -54,6 +54,8 @@ def _planned(cfg: Any, inputs: Inputs) -> list[tuple[Phase, Inputs]]:
 
 
 def main_phases(cfg: Any, run_dir: Path, resume: str, vocab_given: bool, model_keys: Collection[str]) -> dict[str, Any]:
+    """pretrain.main for a config with phases: each phase in turn from the step the run's newest checkpoint holds (its
+    phase's data position restored when the checkpoint fell inside it), then the last checkpoint and push."""
     # The shards are checked against the model as each phase runs it, in _planned.
     inputs = resolve(phase_configs(cfg)[0][1], run_dir, vocab_given, model_keys, check_data=False)
     cfg = dataclasses.replace(cfg, model=inputs.cfg.model)  # fitted to the tokenizer (the first phase's changes in)
