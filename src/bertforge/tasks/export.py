@@ -101,9 +101,9 @@ def main(cfg: ExportConfig) -> tuple[Path | None, str | None, str]:
     if not cfg.out and not cfg.push_to_hub:
         raise UserError("nowhere to export to: give --out FOLDER, --push-to-hub ORG/NAME, or both")
     folds = runs.fold_models(cfg.run)
-    if folds is not None and (cfg.part or cfg.average or cfg.weights != "params" or cfg.step not in ("latest", "best")):
-        option = next(f"--{k} {v}" for k, v in _pretraining_options(cfg) if v)
-        raise UserError(f"{cfg.run}: {option} is for pretraining runs; a fine-tuning run exports its folds' models")
+    given = [f"--{k} {v}" for k, v in _pretraining_options(cfg) if v]
+    if folds is not None and given:
+        raise UserError(f"{cfg.run}: {given[0]} is for pretraining runs; a fine-tuning run exports its folds' models")
     # A temporary folder only for a push without --out: one made anyway outlives an export killed mid-way.
     scratch = contextlib.nullcontext("") if cfg.out else tempfile.TemporaryDirectory(prefix="bertforge-export-")
     with scratch as tmp:
@@ -114,6 +114,7 @@ def main(cfg: ExportConfig) -> tuple[Path | None, str | None, str]:
 
 
 def _pretraining_options(cfg: ExportConfig) -> list[tuple[str, str]]:
+    """The options of `cfg` that only a pretraining run takes, each with its value ('' where not given)."""
     step = cfg.step if cfg.step not in ("latest", "best") else ""
     return [("part", cfg.part), ("average", cfg.average), ("weights", cfg.weights * (cfg.weights != "params")),
             ("step", step)]  # fmt: skip

@@ -49,7 +49,7 @@ class Phase:
     name: str
     cfg: Any  # the run's PretrainConfig as this phase changes it (no phases of its own)
     start: int  # global step the phase starts after
-    steps: int = 0  # set once the phase's shards say its sequence length (tokens -> steps)
+    steps: int  # of a phase given in tokens: whole steps of its shards' sequence length
 
     @property
     def end(self) -> int:

@@ -69,7 +69,7 @@ class Plan:
     def table(self) -> str:
         rows = [
             ("parameters (float32)", self.parameters),
-            ("optimizer state (AdamW moments, moving average)", self.optimizer),
+            ("optimizer state (AdamW moments; with train.ema, its copy)", self.optimizer),
             ("gradients", self.gradients),
             ("activations at the peak", self.activations),
             ("peak of the step", self.peak),
