@@ -184,6 +184,24 @@ def render_scoreboards(lines: list[dict], benchmark: str) -> str:
     return "\n".join(out)
 
 
+def speed_tables(text: str) -> list[str]:
+    """The benchmarks whose speeds (lines with no wall time, a speed as their metric) a page holds."""
+    return re.findall(r"<!-- speeds of (\S+): rendered", text)
+
+
+def render_speeds(lines: list[dict], benchmark: str) -> str:
+    """The latest speed of each recipe of `benchmark` per machine: one row each, the number as measured."""
+    latest: dict[tuple[str, str], dict] = {}
+    for entry in lines:
+        if entry["benchmark"] == benchmark and entry["wall_s"] is None:
+            latest[(entry["recipe"], entry["machine"])] = entry  # the index is in the order written: last wins
+    out = ["| recipe | machine | variant | metric | value | seeds | date, commit |", "|---|---|---|---|---|---|---|"]
+    for (recipe, machine), e in sorted(latest.items()):
+        out.append(f"| {recipe} | {machine_name(machine)} | {e['variant']} | {e['metric']} | {e['value']:,.0f} "
+                   f"| {len(e['seeds'])} | {e['date']}, {e['commit']} |")  # fmt: skip
+    return "\n".join(out)
+
+
 def page_benchmarks(text: str) -> list[str]:
     """The benchmarks whose tables a page holds."""
     return re.findall(r"<!-- results of (\S+): rendered", text)
@@ -199,11 +217,13 @@ def pages(lines: list[dict]) -> dict[Path, str]:
         text = results.read_text(encoding="utf-8")
         for benchmark in page_benchmarks(text):
             text = rendered(text, render_table(lines, benchmark_rows(lines, benchmark)), benchmark)
-        for benchmark in scoreboards(text):
-            marker = f"<!-- scoreboards of {benchmark}: rendered"
-            start = text.index(marker) + text[text.index(marker) :].index("\n") + 1
-            end = text.index(END, start)
-            text = text[:start] + render_scoreboards(lines, benchmark) + "\n" + text[end:]
+        for kind, found, render in (("scoreboards", scoreboards, render_scoreboards),
+                                    ("speeds", speed_tables, render_speeds)):  # fmt: skip
+            for benchmark in found(text):
+                marker = f"<!-- {kind} of {benchmark}: rendered"
+                start = text.index(marker) + text[text.index(marker) :].index("\n") + 1
+                end = text.index(END, start)
+                text = text[:start] + render(lines, benchmark) + "\n" + text[end:]
         out[results] = text
     return out
 

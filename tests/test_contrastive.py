@@ -11,7 +11,12 @@ import pytest
 import torch
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
-from sentence_transformers.sentence_transformer.losses import CoSENTLoss, MultipleNegativesRankingLoss
+from sentence_transformers.sentence_transformer.losses import (
+    CoSENTLoss,
+    DistillKLDivLoss,
+    MarginMSELoss,
+    MultipleNegativesRankingLoss,
+)
 
 from bertforge.model.architectures import build
 from bertforge.model.config import preset
@@ -99,6 +104,29 @@ def test_cosent_and_its_gradient_match_sentence_transformers():
     ref.backward()
     assert float(loss) == pytest.approx(float(ref), abs=1e-5)
     np.testing.assert_allclose(np.asarray(grad), np.stack([c.grad.numpy() for c in columns], 1), atol=1e-5)
+
+
+@pytest.mark.parametrize(("loss", "temperature"), [("margin_mse", 1.0), ("kl", 1.0), ("kl", 2.5)])
+@pytest.mark.parametrize("negatives", [1, 3])
+def test_distillation_losses_and_their_gradients_match_sentence_transformers(loss, temperature, negatives):
+    n = 2 + negatives  # an anchor, its positive and its negatives
+    emb = embeddings(8, n, 16, seed=7) * 0.3
+    teacher = np.random.default_rng(8).normal(3.0, 2.0, size=(8, n - 1)).astype(np.float32)
+    real = np.array([1, 1, 1, 1, 1, 1, 0, 0], np.float32)  # two filler rows: no anchors, no loss
+    targets = np.concatenate([targets_of(real), np.arange(8)[:, None], teacher], axis=1).astype(np.float32)
+    cfg = ContrastiveConfig(loss, temperature=temperature)
+    value, grad = jax.value_and_grad(lambda e: contrastive.batch_loss(cfg, e, jnp.asarray(targets)))(jnp.asarray(emb))
+    columns = [torch.tensor(emb[:6, k], requires_grad=True) for k in range(n)]
+    if loss == "margin_mse":
+        reference = MarginMSELoss(model=None)
+    else:
+        reference = DistillKLDivLoss(model=None, temperature=temperature)
+    ref = reference.compute_loss_from_embeddings(columns, torch.tensor(teacher[:6]))
+    ref.backward()
+    assert float(value) == pytest.approx(float(ref), rel=1e-5, abs=1e-6)
+    ref_grad = np.stack([c.grad.numpy() for c in columns], axis=1)
+    np.testing.assert_allclose(np.asarray(grad)[:6], ref_grad, atol=1e-6, rtol=1e-5)
+    assert not np.any(np.asarray(grad)[6:])  # a filler row's vectors get no gradient
 
 
 @pytest.mark.parametrize("loss", ["mnrl", "cosent"])

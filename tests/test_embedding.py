@@ -218,6 +218,99 @@ def test_malformed_pair_tables_are_one_line(model_dir, tmp_path, capsys, table, 
     assert not (tmp_path / "run").exists()
 
 
+def test_a_table_without_named_texts_is_read_by_position_as_sentence_transformers_reads_it(tmp_path):
+    from bertforge.data.labelled import TableConfig
+    from bertforge.finetuning import pairs
+
+    rows = pair_rows(6, 5)
+    named = pairs.read(str(write_rows(tmp_path / "named.csv", rows)), TableConfig(
+        text_column="query", text_pair_column="passage", negative_columns=("negative",)), scored=False)  # fmt: skip
+    # id, score and a teacher's score_* columns are not texts; the rest are anchor, positive, negatives in order.
+    st_rows = [{"id": r["id"], "anchor": r["query"], "score_1": "0.5", "positive": r["passage"],
+                "negative_1": r["negative"], "score": r["score"]} for r in rows]  # fmt: skip
+    by_position = pairs.read(str(write_rows(tmp_path / "st.csv", st_rows)), TableConfig(), scored=False)
+    assert by_position.source.columns == ("anchor", "positive", "negative_1")
+    assert by_position.source.texts == named.source.texts
+    np.testing.assert_array_equal(by_position.targets, named.targets)
+    assert list(by_position.ids) == [r["id"] for r in rows]
+    # A similarity table (sentence1, sentence2, score or label): the score is the target.
+    for target in ("score", "label"):
+        table = [{"sentence1": r["query"], "sentence2": r["passage"], target: r["score"]} for r in rows]
+        scored = pairs.read(str(write_rows(tmp_path / f"{target}.csv", table)), TableConfig(), scored=True)
+        assert scored.source.columns == ("sentence1", "sentence2")
+        np.testing.assert_array_equal(scored.targets[:, 0], [float(r["score"]) for r in rows])
+    # data.text_column, where the table has it, is the anchor.
+    swapped = [{"passage": r["passage"], "text": r["query"]} for r in rows]
+    first = pairs.read(str(write_rows(tmp_path / "text.csv", swapped)), TableConfig(), scored=False)
+    assert first.source.columns == ("text", "passage") and first.source.texts == [t[:2] for t in named.source.texts]
+
+
+@pytest.mark.parametrize(
+    ("table", "task", "message"),
+    [
+        ("id,query,score\na,q,1\n", "embedding", "no second text column (columns: id, query, score)"),
+        ("query,passage\nq,p\n", "similarity", "no score column"),
+        ("a,b,c,score\nq,p,n,1\n", "similarity", "the table has 3 text columns (a, b, c)"),
+    ],
+)
+def test_a_table_read_by_position_that_does_not_fit_is_one_line(model_dir, tmp_path, capsys, table, task, message):
+    data = tmp_path / "pairs.csv"
+    data.write_text(table, encoding="utf-8")
+    args = ["finetune", "--task", task, "--model", str(model_dir), "--data", str(data), "--out",
+            str(tmp_path / "run"), "--mesh.num_devices=1"]  # fmt: skip
+    assert cli(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {data}: ") and message in err and "\n" not in err, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_distilled_runs_first_loss_is_sentence_transformers_on_the_teachers_score_columns(model_dir, tmp_path):
+    import torch
+    from sentence_transformers.sentence_transformer.losses import DistillKLDivLoss
+
+    rows = pair_rows(16, 9)
+    rng = np.random.default_rng(3)
+    table = [{"anchor": r["query"], "positive": r["passage"], "negative_1": r["negative"],
+              "score_positive": f"{rng.normal(4, 1):.4f}", "score_negative_1": f"{rng.normal(1, 1):.4f}"}
+             for r in rows]  # fmt: skip
+    data = write_rows(tmp_path / "mined.csv", table)
+    out = tmp_path / "run"
+    # One step of the whole table, no dropout: the logged loss is the loss of the starting model's vectors.
+    assert cli(["finetune", "--task", "embedding", "--model", str(model_dir), "--data", str(data), "--valid-data",
+                str(data), "--out", str(out), "--head.loss=kl", "--head.temperature=2", "--head.hidden_dropout=0",
+                "--head.attention_dropout=0", "--train.batch_size=16", "--train.epochs=1", "--log.every=1",
+                "--mesh.num_devices=1", "--max-length", "16", "--log.progress=false"]) == 0  # fmt: skip
+    logged = [json.loads(line) for line in (out / "fold-0" / "metrics.jsonl").read_text().splitlines()]
+    loss = next(r["loss"] for r in logged if "loss" in r)
+    pre = load_model(model_dir, head="embedding")
+    columns = [torch.tensor(embed(pre, [r[c] for r in table], max_length=16)) for c in ("anchor", "positive",
+                                                                                         "negative_1")]  # fmt: skip
+    teacher = torch.tensor([[float(r["score_positive"]), float(r["score_negative_1"])] for r in table])
+    expected = DistillKLDivLoss(model=None, temperature=2.0).compute_loss_from_embeddings(columns, teacher)
+    assert loss == pytest.approx(float(expected), rel=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("header", "loss", "message"),
+    [
+        ("anchor,positive,negative_1", "kl", "no columns score_positive, score_negative_1"),
+        ("anchor,positive,negative_1,score_positive", "margin_mse", "for some candidates only: no column score_negat"),
+        ("anchor,positive,score_positive", "margin_mse", "compares each row's positive with its hard negatives"),
+    ],
+)
+def test_a_distillation_table_without_its_teachers_scores_is_one_line(model_dir, tmp_path, capsys, header, loss,
+                                                                      message):  # fmt: skip
+    data = tmp_path / "mined.csv"
+    values = ["1.0" if c.startswith("score_") else f"text {c}" for c in header.split(",")]
+    data.write_text(header + "\n" + ",".join(values) + "\n")
+    args = ["finetune", "--task", "embedding", "--model", str(model_dir), "--data", str(data), "--out",
+            str(tmp_path / "run"), f"--head.loss={loss}", "--mesh.num_devices=1"]  # fmt: skip
+    assert cli(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {data}: ") and message in err and "\n" not in err, err
+    assert not (tmp_path / "run").exists()
+
+
 # ------------------------------------------------------------------------------------------------ BEIR folders
 def beir_folder(root: Path) -> Path:
     """A BEIR folder: 12 documents (some titled), 5 queries, graded judgements, one query without any."""

@@ -8,6 +8,7 @@ import pytest
 from test_preprocess import make_documents, run
 from test_pretrain import config
 
+from bertforge.cli import data_as_sources
 from bertforge.cli import main as cli
 from bertforge.data.mixture import (
     MixedShards,
@@ -90,10 +91,21 @@ def test_a_stopped_and_continued_mixture_reads_and_learns_what_an_unbroken_one_d
 def test_a_continued_run_with_other_weights_is_refused(shards, small, tmp_path, capsys):
     args = ["pretrain", "--out", str(tmp_path / "run"), "--model.preset=test", "--train.max_steps=2",
             "--train.global_batch=16", "--checkpoint.every=2", "--log.tensorboard=false"]  # fmt: skip
-    assert cli([*args, "--sources", f"{shards}=0.5", f"{small}=0.5"]) == 0
+    assert cli([*args, "--data", f"{shards}=0.5", "--data", f"{small}=0.5"]) == 0  # fairseq's spelling
     code = cli([*args, "--train.max_steps=4", "--sources", f"{shards}=0.9", f"{small}=0.1"])
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert code == 2 and "this run has data.sources: [" in err and f"{small}=0.1']" in err, err
+    assert cli([*args, "--train.max_steps=4", "--sources", f"{shards}=0.5", f"{small}=0.5"]) == 0  # the same mixture
+
+
+def test_repeated_data_flags_are_a_mixture_and_one_stays_a_folder():
+    assert data_as_sources(["pretrain", "--data", "a=0.7", "--data=b=0.3", "--out", "r"]) == [
+        "pretrain", "--out", "r", "--sources", "a=0.7", "b=0.3"]  # fmt: skip
+    assert data_as_sources(["pretrain", "--data", "a", "--data", "b"])[-3:] == ["--sources", "a", "b"]
+    assert data_as_sources(["pretrain", "--data", "runs/x=y", "--data.temperature=0.5"]) == [
+        "pretrain", "--data", "runs/x=y", "--data.temperature=0.5"]  # fmt: skip
+    with pytest.raises(UserError, match="not both"):
+        data_as_sources(["pretrain", "--data", "a=1", "--sources", "b=1"])
 
 
 @pytest.mark.parametrize(

@@ -98,6 +98,21 @@ def test_a_suites_scoreboards_are_rendered_from_the_lines_of_its_latest_run():
     assert report.scoreboards(page) == ["s"]
 
 
+def test_speeds_are_rendered_from_each_recipes_latest_untimed_line_per_machine():
+    report = _benchmark("report")
+    zen3, xeon = "AMD EPYC, family 25 model 1, 2 cores", "Intel Xeon, 2 cores"
+    speed = lambda machine, date, value: {**run("s", "phase a", machine, date, "warm", {("bertforge", "f32"): (  # noqa: E731
+        None, value)})[0], "metric": "tokens_per_s"}  # fmt: skip
+    timed = run("s", "quality", zen3, "2026-12-07", "cold", {("bertforge", "f32"): (30, 0.5)})
+    table = report.render_speeds([speed(zen3, "2026-12-01", 900.0), speed(zen3, "2026-12-07", 2296.5),
+                                  speed(xeon, "2026-12-02", 1200.0), *timed], "s").splitlines()  # fmt: skip
+    rows = ["| phase a | AMD EPYC Zen 3, 2 cores | f32 | tokens_per_s | 2,296 | 3 | 2026-12-07, abc |",
+            "| phase a | Intel Xeon, 2 cores | f32 | tokens_per_s | 1,200 | 3 | 2026-12-02, abc |"]  # fmt: skip
+    assert table[2:] == rows
+    page = "a\n<!-- speeds of s: rendered by benchmarks/report.py; do not edit -->\nold\n<!-- results: end -->\n"
+    assert report.speed_tables(page) == ["s"]
+
+
 def test_the_readme_names_the_machine_date_and_commit_in_a_caption_and_holds_at_most_eight_rows():
     report, index = _benchmark("report"), _benchmark("results_index")
     zen3, trainer = "AMD EPYC, family 25 model 1, 2 cores", "transformers Trainer (PyTorch)"

@@ -10,7 +10,7 @@ from collections.abc import Collection, Sequence
 from typing import Any
 
 from bertforge import stage_runs
-from bertforge.errors import report
+from bertforge.errors import UserError, report
 from bertforge.flags import (
     Alias,
     Command,
@@ -89,6 +89,11 @@ COMMANDS: dict[str, Command] = {
         "a vector per text, by an embedding model or any encoder",
         "bertforge.tasks.embed:EmbedConfig",
         stage_runs.run_embed,
+    ),
+    "mine": Command(
+        "hard negatives for each query of a table of pairs, found by an embedding model",
+        "bertforge.tasks.mine:MineConfig",
+        stage_runs.run_mine,
     ),
     "evaluate-retrieval": Command(
         "nDCG@10, MRR@10 and Recall@k of an embedding model on a BEIR folder or a pairs table",
@@ -192,13 +197,46 @@ def command_parsers(parser: argparse.ArgumentParser) -> dict[str, argparse.Argum
 
 def parse(argv: Sequence[str]) -> tuple[Any, argparse.Namespace]:
     """The stage's config and the parsed arguments (`args.stage` is the Command); a mistake is a UserError."""
-    parser = build_parser(_named(argv))
+    named = _named(argv)
+    argv = data_as_sources(argv) if "pretrain" in named else argv
+    parser = build_parser(named)
     args, extra = parser.parse_known_args(argv)
     if args.stage.remainder:
         extra = []  # everything after the command's own flags belongs to the command it runs
     args.passed, extra = passed_overrides(extra) if args.stage.passes else ([], extra)
     cfg, args.config_data = build_config(args, extra)
     return cfg, args
+
+
+def data_as_sources(argv: Sequence[str]) -> list[str]:
+    """pretrain's `--data A=0.7 --data B=0.3` (a mixture, as fairseq users give one) as `--sources A=0.7 B=0.3`;
+    one `--data PATH` stays one folder."""
+    values, rest, i = [], [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--data" and i + 1 < len(argv):
+            values.append(argv[i + 1])
+            i += 2
+            continue
+        if arg.startswith("--data="):
+            values.append(arg.split("=", 1)[1])
+        else:
+            rest.append(arg)
+        i += 1
+    if len(values) < 2 and not any(_weighted(v) for v in values):
+        return list(argv)
+    if "--sources" in rest:
+        raise UserError("pretrain: give a mixture as --data PATH=WEIGHT (once per folder) or as --sources, not both")
+    return [*rest, "--sources", *values]
+
+
+def _weighted(value: str) -> bool:
+    """Whether a --data value is PATH=WEIGHT (a shard folder's own name holds no '=' followed by a number)."""
+    weight = value.rpartition("=")[2]
+    try:
+        return "=" in value and float(weight) == float(weight)
+    except ValueError:
+        return False
 
 
 def _named(argv: Sequence[str]) -> set[str]:

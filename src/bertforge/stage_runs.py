@@ -105,6 +105,15 @@ def run_embed(cfg: Any, args: argparse.Namespace) -> int:
     return 0
 
 
+def run_mine(cfg: Any, args: argparse.Namespace) -> int:
+    from bertforge.tasks import mine
+
+    found = mine.main(cfg)
+    dropped = f"; {found.dropped} dropped, their queries short of candidates" if found.dropped else ""
+    print(f"wrote {len(found.rows)} rows with {cfg.negatives} negatives each{dropped} -> {cfg.out}")
+    return 0
+
+
 def run_evaluate_retrieval(cfg: Any, args: argparse.Namespace) -> int:
     from bertforge.tasks import retrieve
 

@@ -301,10 +301,14 @@ def test_any_bytes_as_evaluation_data(data, tags, classifier, tagger, capsys, ta
     shutil.rmtree(tmp)
 
 
-@given(data=st.binary(max_size=2000), scored=st.booleans())
-@example(data=b"query,passage,score\nq,p,nan\n", scored=True)
-@example(data=b'query,passage,score\n"a\nb",\xc3\x28,1\n', scored=False)
-def test_any_bytes_as_a_pair_table(data, scored, tally):
+@given(data=st.binary(max_size=2000), scored=st.booleans(), named=st.booleans())
+@example(data=b"query,passage,score\nq,p,nan\n", scored=True, named=True)
+@example(data=b'query,passage,score\n"a\nb",\xc3\x28,1\n', scored=False, named=True)
+@example(data=b"anchor,positive,negative_1,score_positive,score_negative_1\nq,p,n,1,inf\n", scored=False, named=False)
+@example(data=b"id,anchor,positive,score_positive\n1,q,p,2\n", scored=False, named=False)
+@example(data=b"sentence1,sentence2,label\na,b,\n", scored=True, named=False)
+def test_any_bytes_as_a_pair_table(data, scored, named, tally):
+    """Named columns, or sentence-transformers' columns by position, with a teacher's score_* columns."""
     from bertforge.data.labelled import TableConfig
     from bertforge.errors import UserError
     from bertforge.finetuning import pairs
@@ -312,11 +316,14 @@ def test_any_bytes_as_a_pair_table(data, scored, tally):
     tally("hostile")
     tmp = scratch()
     (tmp / "pairs.csv").write_bytes(data)
-    cfg = TableConfig(text_column="query", text_pair_column="passage", target_columns=("score",))
+    cfg = TableConfig(text_column="query", text_pair_column="passage", target_columns=("score",)) if named else (
+        TableConfig())  # fmt: skip
     try:
         table = pairs.read(str(tmp / "pairs.csv"), cfg, scored)
         assert len(table) and all(t.strip() for row in table.source.texts for t in row)
         assert np.all(np.isfinite(table.targets))
+        pairs.check_teacher(table, "kl")
+        assert table.targets.shape[1] == 3 + len(table.source.columns)  # a teacher's score of every candidate
     except UserError as e:
         assert str(e).startswith(f"{tmp / 'pairs.csv'}: ") and "\n" not in str(e), str(e)
     shutil.rmtree(tmp)

@@ -29,7 +29,7 @@ PIPELINE_TAG = "sentence-similarity"
 AUTO_CLASS = "AutoModel"
 DESCRIPTION = "sentence-embedding model"
 DEFAULT_LOSS = "mnrl"
-LOSSES = ("mnrl",)
+LOSSES = ("mnrl", "margin_mse", "kl")  # the last two distil a teacher's scores (score_* columns)
 DEFAULT_METRIC = "ndcg@10"
 
 

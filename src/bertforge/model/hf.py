@@ -317,6 +317,13 @@ def weights_blob(tensors: dict[str, np.ndarray], dtype: str = "float32") -> byte
     )
 
 
+def _weight_files_or_none(folder: Path | None) -> list[Path]:
+    try:
+        return weight_files(folder) if folder is not None else []
+    except UserError:  # a run's checkpoint, not a folder of weights
+        return []
+
+
 def save_pretrained(
     model: Model,
     out: str | os.PathLike,
@@ -324,6 +331,7 @@ def save_pretrained(
     id2label: dict[int, str] | None = None,
     extra_files: dict[str, str | bytes | Future] | None = None,
     dtype: str = "float32",
+    base: Path | None = None,
 ) -> Path:
     """Write a folder that transformers' AutoModelForMaskedLM, AutoModelForSequenceClassification,
     AutoModelForTokenClassification, AutoModelForQuestionAnswering or AutoModelForMultipleChoice (as the model's
@@ -333,6 +341,7 @@ def save_pretrained(
     Over an existing folder, its config.json goes first and the new one comes last: a folder caught in between has
     none, and neither transformers nor bertforge loads it. `dtype` is the weights' (WEIGHT_DTYPES): half of them
     halves the folder. An extra file may come as a Future of its contents, waited for after the weights are written.
+    An embedding model of BERT or RoBERTa keeps the pooler of `base` (the folder it was fine-tuned from) unused.
     """
     out = Path(out)
     head = model.task
@@ -351,7 +360,10 @@ def save_pretrained(
     def fill(tmp: Path) -> None:
         config = {**config_to_hf(model.config, head, id2label), "dtype": dtype}
         write_atomic(tmp / "config.json", json.dumps(config, indent=2) + "\n")
-        write_atomic(tmp / "model.safetensors", weights_blob(export_weights(model, head), dtype))
+        tensors = export_weights(model, head)
+        if head == "embedding":
+            tensors |= sentence_folder.pooler_weights(model.config, _weight_files_or_none(base))
+        write_atomic(tmp / "model.safetensors", weights_blob(tensors, dtype))
         if tokenizer is not None:
             tokenizer.save(tmp)
         for name, text in (extra_files or {}).items():

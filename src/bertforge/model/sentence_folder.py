@@ -13,6 +13,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+from safetensors import safe_open
+
 from bertforge.errors import UserError
 from bertforge.fileio import read_json_object
 from bertforge.model.config import ModelConfig
@@ -21,6 +24,7 @@ MODULES = "modules.json"
 POOLING = "1_Pooling"
 # sentence-transformers' pooling modes that bertforge computes, by its own name for them.
 MODES = {"cls": "pooling_mode_cls_token", "mean": "pooling_mode_mean_tokens", "max": "pooling_mode_max_tokens"}
+POOLER = ("pooler.dense.weight", "pooler.dense.bias")
 KNOWN = ("Transformer", "Pooling", "Normalize")  # the modules an embedding model may have (Dense is not computed)
 
 
@@ -53,6 +57,27 @@ def files(cfg: ModelConfig, max_length: int) -> dict[str, str]:
         "sentence_bert_config.json": text({"max_seq_length": max_length, "do_lower_case": False}),
         "config_sentence_transformers.json": text(about),
     }
+
+
+def pooler_weights(cfg: ModelConfig, base_files: list[Path]) -> dict[str, np.ndarray]:
+    """The pooler an embedding folder of BERT or RoBERTa holds unused: transformers' AutoModel builds BertModel
+    (RobertaModel) with one and, finding none, says it was "newly initialized", which reads as a broken model. The
+    pooler of the base model's weights `base_files` where they hold one, else one drawn as transformers initialises it
+    (normal with std initializer_range, zero bias); no other family's AutoModel has a pooler."""
+    if cfg.family not in ("bert", "roberta"):
+        return {}
+    found: dict[str, np.ndarray] = {}
+    for path in base_files:
+        with safe_open(str(path), framework="numpy") as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                name = key.removeprefix(f"{cfg.family}.")
+                if name in POOLER:
+                    found[name] = np.asarray(f.get_tensor(key), np.float32)
+    if set(found) == set(POOLER) and found[POOLER[0]].shape == (cfg.hidden_size, cfg.hidden_size):
+        return found
+    rng = np.random.default_rng(0)
+    weight = rng.normal(0.0, cfg.initializer_range, (cfg.hidden_size, cfg.hidden_size)).astype(np.float32)
+    return {POOLER[0]: weight, POOLER[1]: np.zeros(cfg.hidden_size, np.float32)}
 
 
 def read_pooling(folder: Path) -> Pooling | None:

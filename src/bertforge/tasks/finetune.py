@@ -25,7 +25,7 @@ from bertforge.data.labelled import Table, TableConfig
 from bertforge.data.long_text import record_of, records_of
 from bertforge.data.text_packing import PackShape
 from bertforge.errors import UserError
-from bertforge.finetuning import TASKS
+from bertforge.finetuning import TASKS, pairs
 from bertforge.model import attention, dropout, used_rows
 from bertforge.model.hf import Pretrained
 from bertforge.model.load import load_model
@@ -35,7 +35,7 @@ from bertforge.tasks.finetune_fold import FinetuneTrainConfig, Job, train_fold
 from bertforge.tasks.fold_eval import scores
 from bertforge.train import metrics
 from bertforge.train.ahead import Ahead
-from bertforge.train.contrastive import ContrastiveConfig
+from bertforge.train.contrastive import DISTILLED, ContrastiveConfig
 from bertforge.train.loss_scale import with_loss_scale
 from bertforge.train.metrics_log import LogConfig
 from bertforge.train.optim import OptimConfig, make_optimizer
@@ -59,6 +59,7 @@ class HeadConfig:
     scale: float = 20.0  # embedding losses: the multiplier of the cosine similarities
     symmetric: bool = False  # mnrl: also find each positive's anchor among the anchors
     matryoshka: tuple[int, ...] = ()  # embedding: the loss summed over the vectors cut to these sizes
+    temperature: float = 1.0  # kl: the teacher's and the student's scores are divided by it
     hidden_dropout: float | None = None  # None keeps the pretrained model's
     attention_dropout: float | None = None
     classifier_dropout: float | None = None
@@ -74,9 +75,12 @@ class HeadConfig:
             raise ValueError("an embedding model pools by cls, mean or max")
         if not embedding and (self.normalize is not None or self.matryoshka or self.symmetric):
             raise ValueError("normalize, symmetric and matryoshka are options of the embedding tasks")
-        ContrastiveConfig(TASKS[self.task].LOSSES[0] if embedding else "mnrl", self.scale, matryoshka=self.matryoshka)
+        self.contrastive(TASKS[self.task].LOSSES[0] if embedding else "mnrl")
         if self.metric and self.metric not in metrics.HIGHER_IS_BETTER:
             raise ValueError(f"metric {self.metric!r} is not one of {', '.join(metrics.HIGHER_IS_BETTER)}")
+
+    def contrastive(self, loss: str) -> ContrastiveConfig:
+        return ContrastiveConfig(loss, self.scale, self.symmetric, self.matryoshka, self.temperature)
 
 
 def _finetune_optim() -> OptimConfig:
@@ -110,6 +114,8 @@ def _setup(cfg: FinetuneConfig) -> Setup:
         raise UserError(f"train.attention={cfg.train.attention}: {why}")
     task = TASKS[cfg.head.task]
     data = task.read(cfg.data.train, cfg.data, None)
+    if cfg.head.loss in DISTILLED:
+        pairs.check_teacher(data, cfg.head.loss)
     names = task.output_names(data, cfg.data)
     valid_data = task.read(cfg.data.valid, cfg.data, names) if cfg.data.valid else None
     run = [0] if cfg.data.valid else folds_to_run(cfg.folds)
@@ -175,7 +181,7 @@ def _job(cfg: FinetuneConfig, run_dir: Path, pre: Pretrained, names: list[str], 
     tx = with_loss_scale(make_optimizer(cfg.optim, params, pre.model.config.num_layers), pre.model.config.dtype)
     state_shardings = jax.tree.map(lambda x: x.sharding, new_train_state(jax.device_put(pristine, shardings), tx, mesh))
     loss = h.loss or task.DEFAULT_LOSS
-    contrastive = ContrastiveConfig(loss, h.scale, h.symmetric, h.matryoshka) if task.HEAD == "embedding" else None
+    contrastive = h.contrastive(loss) if task.HEAD == "embedding" else None
     step_cfg = SequenceStepConfig(loss, t.grad_accum, t.sparse_embeddings, row_capacity=t.batch_size * limit,
                                   dropout=dropout.draws(pre.model), contrastive=contrastive)  # fmt: skip
     rungs = _ladder(table.encs, cfg, limit)
@@ -332,7 +338,7 @@ def _pack_shape(cfg: FinetuneConfig, pre: Pretrained, table: Table, valid: Table
         return None
     t, head = cfg.train, TASKS[cfg.head.task].HEAD
     whole = head in packed_batches.WHOLE  # rows of N texts, packed a whole step at once
-    lengths, valid_lengths = (_text_lengths(x, whole) for x in (table, valid))
+    lengths, valid_lengths = (packed_batches.text_lengths(x, whole) for x in (table, valid))
     per_row = lengths.shape[1] if whole else 1
     settings = {"batch_size": t.batch_size, "grad_accum": t.grad_accum, "epochs": t.epochs, "seed": t.seed,
                 "eval_batch_size": t.eval_batch_size * per_row, "bucket": cfg.data.bucket,
@@ -347,14 +353,6 @@ def _pack_shape(cfg: FinetuneConfig, pre: Pretrained, table: Table, valid: Table
                                         head)  # fmt: skip
     packed = packed_batches.packed_work(shape, len(lengths), t.batch_size, model, per_row, head)
     return shape if packed <= packed_batches.margin(jax.default_backend()) * padded else None
-
-
-def _text_lengths(table: Table | None, whole: bool) -> np.ndarray:
-    """The tokens of each row of `table` (none without one): (R,), or (R, N) for each of a row's N texts."""
-    encs = [] if table is None else table.encs or []
-    if whole:
-        return np.array([[len(o.ids) for o in e.options] for e in encs] or np.zeros((0, 1)), np.int64)
-    return np.array([tokens_of(e) for e in encs], np.int64)
 
 
 def _summarise(cfg: FinetuneConfig, job: Job, results: list[dict[str, Any]]) -> dict[str, Any]:

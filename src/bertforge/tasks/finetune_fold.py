@@ -140,7 +140,7 @@ def write_model(job: Job, fold_dir: Path, params: Any, out: Path, step: int) -> 
         )
         if job.task.HEAD == "embedding":  # sentence-transformers cuts texts where the run did
             card = {**sentence_folder.files(model.config, job.limit), **card}
-        save_pretrained(model, out, job.pre.tokenizer, job.pre.id2label, extra_files=card)
+        save_pretrained(model, out, job.pre.tokenizer, job.pre.id2label, extra_files=card, base=job.pre.folder)
 
 
 def _batch(job: Job, rows: np.ndarray, length: int) -> dict[str, np.ndarray]:

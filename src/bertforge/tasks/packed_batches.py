@@ -283,3 +283,11 @@ def shapes_line(shape: PackShape | None, rungs: tuple[int, ...], bucket: int, wh
         steps = f"{shape.mean_rows / shape.rows:.2f}"
         return f"texts packed into micro-batches of {shape.rows} rows of {shape.length} tokens ({steps} a step)"
     return "texts padded to " + (", ".join(map(str, rungs)) if rungs else f"multiples of {bucket}") + " tokens"
+
+
+def text_lengths(table: Any, whole: bool) -> np.ndarray:
+    """The tokens of each row of `table` (none without one): (R,), or (R, N) for each of a row's N texts."""
+    encs = [] if table is None else table.encs or []
+    if whole:
+        return np.array([[len(o.ids) for o in e.options] for e in encs] or np.zeros((0, 1)), np.int64)
+    return np.array([tokens_of(e) for e in encs], np.int64)

@@ -42,7 +42,7 @@ from bertforge.train.optim import OptimConfig
 
 @dataclasses.dataclass(frozen=True)
 class ShardsConfig:
-    shards: str = ""  # shard folder made by `bertforge preprocess`
+    shards: str = ""  # shard folder made by `bertforge preprocess` (--data PATH=WEIGHT given twice or more: sources)
     # In place of shards, a mixture of shard folders of one tokenizer and one sequence length (data/mixture.py):
     # PATH=WEIGHT each, or PATH each, weighed by temperature.
     sources: tuple[str, ...] = ()

@@ -1,11 +1,11 @@
 """The losses that train embedding models, over a whole batch of embeddings: multiple-negatives ranking (in-batch
-negatives, with hard negatives and a symmetric option) and CoSENT for scored pairs, each optionally summed over
-Matryoshka sizes. Pure functions of (B, N, D) embeddings, as sentence-transformers defines its losses of the same
-names.
+negatives, with hard negatives and a symmetric option), CoSENT for scored pairs, and distillation of a teacher's
+scores of each anchor's candidates (MarginMSE, KL divergence), each optionally summed over Matryoshka sizes. Pure
+functions of (B, N, D) embeddings, as sentence-transformers defines its losses of the same names.
 
 A batch's rows are (anchor, positive, negative_1, ..., negative_{N-2}) texts, or a scored pair (N = 2). `real` (B,)
 is 1 for a row of data and 0 for a filler row that pads the batch to its size: a filler row is no anchor, no
-candidate and no pair.
+candidate and no pair. A distilled row carries the teacher's score of each of its N - 1 candidates.
 """
 
 from __future__ import annotations
@@ -23,16 +23,17 @@ NEG = -1e9  # the similarity given to a filler row's texts: finite, so that noth
 
 @dataclasses.dataclass(frozen=True)
 class ContrastiveConfig:
-    loss: str = "mnrl"  # mnrl (multiple-negatives ranking) or cosent
+    loss: str = "mnrl"  # mnrl (multiple-negatives ranking), cosent, margin_mse or kl
     scale: float = 20.0  # the cosine similarities' multiplier (sentence-transformers' default for both losses)
     symmetric: bool = False  # mnrl: also rank the anchors for each positive, and average the two
     matryoshka: tuple[int, ...] = ()  # the loss summed over the embeddings cut to each of these sizes
+    temperature: float = 1.0  # kl: the student's and the teacher's scores are divided by it
 
     def __post_init__(self) -> None:
         if self.loss not in LOSSES:
             raise ValueError(f"loss {self.loss!r} is not one of {', '.join(LOSSES)}")
-        if self.scale <= 0 or any(d < 1 for d in self.matryoshka):
-            raise ValueError("scale must be positive and matryoshka sizes at least 1")
+        if self.scale <= 0 or self.temperature <= 0 or any(d < 1 for d in self.matryoshka):
+            raise ValueError("scale and temperature must be positive and matryoshka sizes at least 1")
 
 
 def cosine_matrix(a: jax.Array, b: jax.Array) -> jax.Array:
@@ -75,7 +76,33 @@ def cosent(emb: jax.Array, scores: jax.Array, real: jax.Array, scale: float) -> 
     return jnp.where(real > 0, total, 0.0)
 
 
-LOSSES = ("mnrl", "cosent")
+def candidate_scores(emb: jax.Array) -> jax.Array:
+    """(B, N, D) -> (B, N - 1): each anchor's dot product with its own candidates (sentence-transformers'
+    pairwise_dot_score, the distillation losses' default; a cosine when the vectors are unit length)."""
+    return jnp.einsum("bd,bkd->bk", emb[:, 0].astype(jnp.float32), emb[:, 1:].astype(jnp.float32))
+
+
+def margin_mse(emb: jax.Array, teacher: jax.Array, real: jax.Array) -> jax.Array:
+    """MarginMSE (Hofstaetter et al. 2020): (B,) per anchor, the mean over its negatives of the squared difference
+    between the student's margin s(q, pos) - s(q, neg_k) and the teacher's; teacher (B, N - 1) holds the teacher's
+    score of the positive, then of each negative."""
+    student = candidate_scores(emb)
+    margins = student[:, :1] - student[:, 1:]  # (B, N - 2)
+    wanted = teacher[:, :1] - teacher[:, 1:]
+    return jnp.where(real > 0, jnp.mean((margins - wanted) ** 2, axis=1), 0.0)
+
+
+def distill_kl(emb: jax.Array, teacher: jax.Array, real: jax.Array, temperature: float) -> jax.Array:
+    """KL divergence from the teacher's softmax over each anchor's candidates (its scores / temperature) to the
+    student's, times temperature^2 (the gradient's scale at any temperature), (B,) per anchor."""
+    student = jax.nn.log_softmax(candidate_scores(emb) / temperature, axis=1)
+    target = jax.nn.log_softmax(teacher.astype(jnp.float32) / temperature, axis=1)
+    kl = jnp.sum(jnp.exp(target) * (target - student), axis=1) * temperature**2
+    return jnp.where(real > 0, kl, 0.0)
+
+
+LOSSES = ("mnrl", "cosent", "margin_mse", "kl")
+DISTILLED = ("margin_mse", "kl")  # the losses that learn from a teacher's scores (targets[:, 4:])
 
 
 def batch_loss(cfg: ContrastiveConfig, emb: jax.Array, targets: jax.Array) -> jax.Array:
@@ -85,15 +112,21 @@ def batch_loss(cfg: ContrastiveConfig, emb: jax.Array, targets: jax.Array) -> ja
 
 
 def per_row(cfg: ContrastiveConfig, emb: jax.Array, targets: jax.Array) -> jax.Array:
-    """emb (B, N, D), targets (B, 2+): [score, real, row, positive's id] -> (B,) losses, whose mean over the real
-    rows is the batch's; summed over cfg.matryoshka's sizes when given (each the loss of the vectors' first d
-    values, as sentence-transformers' MatryoshkaLoss with weights 1)."""
+    """emb (B, N, D), targets (B, 2+): [score, real, row, positive's id, the teacher's score of each of the N - 1
+    candidates (distillation)] -> (B,) losses, whose mean over the real rows is the batch's; summed over
+    cfg.matryoshka's sizes when given (each the loss of the vectors' first d values, as sentence-transformers'
+    MatryoshkaLoss with weights 1)."""
     scores, real = targets[:, 0], targets[:, 1]
     positive = targets[:, 3] if targets.shape[1] > 3 else None
+    teacher = targets[:, 4 : 4 + emb.shape[1] - 1]
 
     def one(e: jax.Array) -> jax.Array:
         if cfg.loss == "cosent":
             return cosent(e, scores, real, cfg.scale)
+        if cfg.loss == "margin_mse":
+            return margin_mse(e, teacher, real)
+        if cfg.loss == "kl":
+            return distill_kl(e, teacher, real, cfg.temperature)
         return mnrl(e, real, cfg.scale, cfg.symmetric, positive)
 
     if not cfg.matryoshka:
