@@ -9,6 +9,10 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Under `pytest -n 2` two workers share the cores with XLA's own threads: PyTorch's OpenMP threads (the reference
+# side of many tests) then spin against them and a torch test runs several times slower; one thread each.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 # One compilation cache for the whole session, never the user's: the commands that tests run in subprocesses (a
 # killed run, its resumption and the uninterrupted run it is compared with) compile the same programs, once.
 # It starts empty, so every program compiles at least once per session; test_compile_cache.py sets its own.
