@@ -68,13 +68,13 @@ def teacher_scores(path: str, columns: Sequence[str], rows: list, names: Sequenc
 def check_teacher(table: Table, loss: str) -> None:
     """A distillation loss (train/contrastive.py) learns from the teacher's score of every candidate of a row."""
     columns: tuple[str, ...] = table.source.columns
-    if len(columns) >= 3 and table.targets.shape[1] < 3 + len(columns):
-        wanted = ", ".join(f"score_{c}" for c in columns[1:])
-        raise UserError(f"{table.path}: head.loss={loss} learns from a teacher's scores of each row's candidates: "
-                        f"no columns {wanted}")  # fmt: skip
     if len(columns) < 3:
         raise UserError(f"{table.path}: head.loss={loss} compares each row's positive with its hard negatives: the "
                         "table has none")  # fmt: skip
+    if table.targets.shape[1] < 3 + len(columns):
+        wanted = ", ".join(f"score_{c}" for c in columns[1:])
+        raise UserError(f"{table.path}: head.loss={loss} learns from a teacher's scores of each row's candidates: "
+                        f"no columns {wanted}")  # fmt: skip
 
 
 def text_columns(

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from bertforge.data import tabular
-from bertforge.data.hard_negatives import NONE, Margins, mine
+from bertforge.data.hard_negatives import NONE, Margins, mine, unit
 from bertforge.data.labelled import TableConfig
 from bertforge.errors import UserError
 from bertforge.finetuning import pairs
@@ -82,7 +82,7 @@ def mined_table(cfg: MineConfig) -> Mined:
     if cfg.scores:
         columns += [f"score_{positive}", *(f"score_{n}" for n in names)]
     rows, dropped = [], 0
-    unit_q, unit_c = (v / np.maximum(np.linalg.norm(v, axis=1, keepdims=True), 1e-12) for v in (q_vec, c_vec))
+    unit_q, unit_c = unit(q_vec), unit(c_vec)
     for r, (q, p) in enumerate(texts):
         i = row_of[q]
         if index.shape[1] < cfg.negatives or np.any(index[i] == NONE):
